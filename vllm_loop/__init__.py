@@ -1,0 +1,1 @@
+"""vllm-loop: looped and latent-reasoning LMs in vLLM."""

@@ -1,0 +1,33 @@
+"""vLLM general plugin entry point (``vllm.general_plugins: loop = vllm_loop.plugin:register``).
+
+vLLM calls ``register()`` in every process it starts (front end, engine core, each worker, the model
+inspection subprocess), so it must be idempotent and must not depend on having run elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Architecture name in config.json -> "module:Class". Lazy strings: vLLM imports them on demand.
+MODELS: dict[str, str] = {}
+
+_registered_in_pid: int | None = None
+
+
+def register() -> None:
+    global _registered_in_pid
+    if _registered_in_pid == os.getpid():
+        return
+    from vllm import ModelRegistry
+
+    from vllm_loop.configs import register_configs
+
+    register_configs()
+    for arch, target in MODELS.items():
+        ModelRegistry.register_model(arch, target)
+    _registered_in_pid = os.getpid()
+
+
+def registered() -> bool:
+    """True once ``register()`` ran in this process (used by tests to prove it ran in a worker)."""
+    return _registered_in_pid == os.getpid()
