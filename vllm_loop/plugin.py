@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 
 # Architecture name in config.json -> "module:Class". Lazy strings: vLLM imports them on demand.
-MODELS: dict[str, str] = {}
+MODELS: dict[str, str] = {
+    "OuroForCausalLM": "vllm_loop.models.ouro:OuroForCausalLM",  # replaces vLLM 0.26's in-tree Ouro
+    "RavenForCausalLM": "vllm_loop.models.raven:RavenForCausalLM",
+}
 
 _registered_in_pid: int | None = None
 
@@ -20,9 +23,11 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from vllm_loop import vllm_patches
     from vllm_loop.configs import register_configs
 
     register_configs()
+    vllm_patches.install()
     for arch, target in MODELS.items():
         ModelRegistry.register_model(arch, target)
     _registered_in_pid = os.getpid()

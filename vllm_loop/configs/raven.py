@@ -110,9 +110,25 @@ def raven_layout(config) -> str:
         if explicit not in LAYOUTS:
             raise ValueError(f"block_layout={explicit!r} is not a Raven block layout; allowed: {', '.join(LAYOUTS)}")
         return explicit
-    if getattr(config, "rope_theta", None) is None:
+    theta, scaling = raven_rope(config)
+    if theta is None:
         return "huginn"  # only Huginn-0125 uses its own rope_base table
-    scaling = getattr(config, "rope_scaling", None) or {}
-    if scaling.get("rope_type") == "llama3" or config.num_key_value_heads < config.n_heads:
+    if (scaling or {}).get("rope_type") == "llama3" or config.num_key_value_heads < config.n_heads:
         return "llama"  # Llama-3.2 (llama3 RoPE scaling) and TinyLlama (GQA)
     return "olmo2"  # OLMo-2-0425-1B: MHA, plain RoPE
+
+
+def raven_rope(config) -> tuple[float | None, dict | None]:
+    """The retrofits' HF RoPE settings ``(rope_theta, rope_scaling)``; ``(None, None)`` for Huginn-0125.
+
+    transformers 5.x folds ``rope_theta`` into ``config.rope_parameters`` when the JSON also carries
+    ``rope_scaling`` (then the ``rope_theta`` attribute is gone) and keeps it as a plain attribute
+    otherwise, so both places are read here.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = getattr(config, "rope_theta", None)
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        return theta, None
+    return theta, params

@@ -52,6 +52,7 @@ class LoopedReference(nn.Module):
         if depths[0] < 1 or depths[-1] > self.depth:
             raise ValueError(f"readout depths must be in 1..{self.depth}, got {depths}")
         start = kv.length(self.position_bank())
+        lengths_before = {bank: kv.length(bank) for bank in kv.k}
         positions = torch.arange(start, start + tokens.shape[0])
         state = self.pre(tokens, positions, kv)
         out = {}
@@ -59,7 +60,17 @@ class LoopedReference(nn.Module):
             state = self.core_step(state, t, positions, kv)
             if t + 1 in depths:
                 out[t + 1] = self.readout(state, t + 1, positions, kv)
+        _check_banks_aligned(kv, lengths_before, start)
         return out
+
+    @torch.no_grad()
+    def final_logits(self, tokens: torch.Tensor, kv: SequenceKV | None = None) -> torch.Tensor:
+        """fp32 logits ``[n, V]`` of an ordinary forward (what the original model returns).
+
+        The depth-T readout; a family whose config selects another readout depth per token (Ouro's
+        ``early_exit_step`` / ``early_exit_threshold``) overrides this.
+        """
+        return self.forward_depths(tokens, kv)[self.depth]
 
     def position_bank(self):
         """A bank every position writes exactly once per forward (its length = tokens so far)."""
@@ -77,17 +88,40 @@ class LoopedReference(nn.Module):
         max_new_tokens: int,
         *,
         sample=None,
-        eos_token_id=None,
+        eos_token_id: int | list[int] | None = None,
     ) -> list[int]:
-        """Full-depth decoding. ``sample(logits [V]) -> int`` picks a token (default: argmax)."""
+        """Ordinary decoding (``final_logits``). ``sample(logits [V]) -> int`` picks a token (default:
+        argmax); generation stops after a token in ``eos_token_id`` (an id or a list, as in HF configs)."""
         pick = sample or (lambda logits: int(torch.argmax(logits)))
+        stop = _id_set(eos_token_id)
         kv = SequenceKV()
-        logits = self.forward_depths(torch.tensor(prompt), kv)[self.depth][-1]
+        logits = self.final_logits(torch.tensor(prompt), kv)[-1]
         out: list[int] = []
         for _ in range(max_new_tokens):
             tok = pick(logits)
             out.append(tok)
-            if eos_token_id is not None and tok == eos_token_id:
+            if tok in stop:
                 break
-            logits = self.forward_depths(torch.tensor([tok]), kv)[self.depth][-1]
+            logits = self.final_logits(torch.tensor([tok]), kv)[-1]
         return out
+
+
+def _id_set(ids: int | list[int] | None) -> set[int]:
+    if ids is None:
+        return set()
+    return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
+
+
+def _check_banks_aligned(kv: SequenceKV, lengths_before: dict, start: int) -> None:
+    """Every bank a forward wrote must have held exactly the positions before it.
+
+    A bank that missed earlier forwards (e.g. a coda bank of a readout depth that was not requested
+    before) would make its attention see a shorter history at wrong positions; refuse instead.
+    """
+    for bank in kv.k:
+        before = lengths_before.get(bank, 0)
+        if kv.length(bank) != before and before != start:
+            raise ValueError(
+                f"KV bank {bank} held {before} positions but this forward starts at position {start}: "
+                "request the same readout depths in every forward of a sequence"
+            )

@@ -56,6 +56,7 @@ class Checkpoint:
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     generation_config: dict[str, Any] | None = None
+    files: dict[str, str] = field(default_factory=dict)  # extra text files, e.g. remote-code modules
 
 
 @dataclass
@@ -78,13 +79,27 @@ class BuildContext:
     vocab_size: int
     token_ids: dict[str, int]
     generator: torch.Generator
+    meta: bool = False  # config only: tensors are shapes without data (full-size configs for benchmarks)
 
     def randn(self, *shape: int, std: float = 0.02) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(*shape, device="meta")
         return torch.randn(*shape, generator=self.generator, dtype=torch.float32) * std
 
     def norm_weight(self, n: int, jitter: float = 0.1) -> torch.Tensor:
         """RMSNorm/LayerNorm gains near 1 (random, so a wrong norm placement shows in tests)."""
         return 1.0 + self.randn(n, std=jitter)
+
+    def float_option(self, name: str, minimum: float = 0.0) -> float:
+        """A numeric family option (options are strings on the command line)."""
+        text = self.options[name]
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= minimum:
+            raise CheckpointError(f"--option {name}={text}: expected a number >= {minimum:g}")
+        return value
 
     def config(self, base: dict[str, Any]) -> dict[str, Any]:
         """Apply user overrides on top of a family's base config (unknown keys are allowed:
@@ -195,12 +210,15 @@ def make_checkpoint(
     seed: int = 0,
     options: dict[str, str] | None = None,
     vocab_size: int = 512,
+    weights: bool = True,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random checkpoint of ``family_name`` into ``out`` and return the path.
 
     ``options`` picks a family variant (e.g. ``{"layout": "olmo2"}``); ``overrides`` replace
     config.json values (e.g. ``total_ut_steps=2``) before the weights are shaped from it.
+    ``weights=False`` writes everything but model.safetensors: a full-size config to serve with
+    random weights (``load_format="dummy"``) in benchmarks.
     """
     _load_families()
     if family_name not in FAMILIES:
@@ -221,6 +239,7 @@ def make_checkpoint(
         vocab_size=tok.get_vocab_size(),
         token_ids=token_ids,
         generator=torch.Generator().manual_seed(seed),
+        meta=not weights,
     )
     ckpt = fam.build(ctx)
 
@@ -228,11 +247,14 @@ def make_checkpoint(
 
     out.mkdir(exist_ok=True)
     dtype = _dtype_of(ckpt.config)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in sorted(ckpt.tensors.items())}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in sorted(ckpt.tensors.items())}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(ckpt.config, indent=2) + "\n")
     if ckpt.generation_config is not None:
         (out / "generation_config.json").write_text(json.dumps(ckpt.generation_config, indent=2) + "\n")
+    for name, text in sorted(ckpt.files.items()):
+        (out / name).write_text(text)
     _write_tokenizer(out, spec, tok)
     return out
 

@@ -1,0 +1,37 @@
+"""Foundation: the plugin is loaded by a real vLLM engine (not a mock) and generates tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_loop.testing.engines import start_llm, stop_llm, worker_facts
+
+
+@pytest.fixture(scope="module")
+def llama_llm(ckpt_factory):
+    llm = start_llm(ckpt_factory("llama"))
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.mark.engine
+def test_plugin_runs_inside_engine_and_generates(llama_llm):
+    from vllm import SamplingParams
+
+    from vllm_loop import plugin
+
+    outs = llama_llm.generate(
+        ["The capital of France is", "Question: Tom has 3 apples"],
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+
+    (facts,) = llama_llm.collective_rpc(worker_facts)
+    assert facts["pid"] != os.getpid(), "collective_rpc must run in vLLM's worker process"
+    assert facts["registered"], "register() did not run in the worker process"
+    # Architectures only the plugin registers resolve inside the engine's process.
+    assert "RavenForCausalLM" in plugin.MODELS
+    assert facts["plugin_archs"] == sorted(plugin.MODELS)
+    assert facts["model_class"] == "LlamaForCausalLM"

@@ -1,0 +1,281 @@
+"""The pipelined LoopSpec executor: lossless against ordinary full-depth decoding.
+
+* a toy looped LM (``vllm_loop.loopspec.toy``): bookkeeping, capacity bounds, metrics;
+* tiny Ouro (R=4) and Raven (R=32) checkpoints from the factory, random and agreement-controlled:
+  greedy LoopSpec == greedy full-depth decoding, token for token, batches of several requests;
+* seeded sampling on tiny Ouro: the distribution of the first three generated tokens matches ordinary
+  sampling (chi-square two-sample test at significance 1e-3, plus goodness of fit against the exact
+  distribution enumerated from the model), and a deliberately broken verifier fails the same test.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+import vllm_loop.loopspec.executor as executor_mod
+from vllm_loop.loopspec.executor import GenerationRequest, PipelinedExecutor, baseline_generate
+from vllm_loop.loopspec.proposals import SamplingParams, filter_probs, sample_from, sample_token
+from vllm_loop.loopspec.schedule import LoopSpecSchedule
+from vllm_loop.loopspec.toy import ToyLoopedLM
+from vllm_loop.loopspec.verify import CommitSource, Verdict
+from vllm_loop.reference import load_reference
+
+ALPHA = 1e-3  # significance level of the statistical tests
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (and stall on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _requests(n_new: int, **kw) -> list[GenerationRequest]:
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9], [4, 10], [11, 12, 13, 14]]
+    return [GenerationRequest(p, n_new, **kw) for p in prompts]
+
+
+# -- toy model --------------------------------------------------------------------------------------------------
+TOY_SCHEDULES = [(4, 1, None), (4, 1, 2), (8, 2, 4), (8, 2, None), (12, 2, 6), (16, 4, 8)]
+
+
+@pytest.mark.parametrize("R, d1, d2", TOY_SCHEDULES)
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_toy_greedy_equals_full_depth(R, d1, d2, decay):
+    model = ToyLoopedLM(depth=R, decay=decay, prelude=True, coda=True, seed=R + d1)
+    reqs = _requests(10)
+    out = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2)).generate(reqs)
+    assert out.tokens == [baseline_generate(model, r) for r in reqs]
+    for o, r in zip(out.outputs, reqs):
+        assert o.finish_reason == "length" and len(o.tokens) == r.max_new_tokens
+        assert o.stats.decoded == len(o.tokens) - 1  # the first token comes from the prefill
+        assert o.stats.first + o.stats.second + o.stats.full == o.stats.decoded
+        assert 1.0 <= o.stats.gamma <= R / d1
+    s = out.summary()
+    assert sum(s["shares"].values()) == pytest.approx(1.0)
+    assert s["effective_batch"]["steps"] == s["recurrent_steps"] > 0
+    assert out.effective_batch[0] == len(reqs)  # step 1: one lane per request
+    if d2 is None:
+        assert s["second"] == 0 and s["gate_evaluations"] == 0
+
+
+def test_toy_unbatched_lanes_give_the_same_tokens():
+    model = ToyLoopedLM(depth=8, decay=0.7, prelude=True, coda=True, seed=5)
+    sch = LoopSpecSchedule(8, 2, 4)
+    reqs = _requests(8)
+    batched = PipelinedExecutor(model, sch).generate(reqs)
+    single = PipelinedExecutor(model, sch, batch_lanes=False).generate(reqs)
+    assert batched.tokens == single.tokens == [baseline_generate(model, r) for r in reqs]
+    assert batched.effective_batch == single.effective_batch
+
+
+def test_eos_and_lengths():
+    model = ToyLoopedLM(depth=4, decay=0.5, seed=3)
+    full = baseline_generate(model, GenerationRequest([1, 2, 3], 12))
+    eos = full[5]
+    reqs = [GenerationRequest([1, 2, 3], 12, eos_token_id=eos), GenerationRequest([1, 2, 3], 1), GenerationRequest([4], 7)]
+    out = PipelinedExecutor(model, LoopSpecSchedule(4, 1, 2)).generate(reqs)
+    assert out.tokens[0] == full[: full.index(eos) + 1] and out.outputs[0].finish_reason == "eos"
+    assert out.tokens[1] == full[:1] and out.outputs[1].stats.decoded == 0
+    assert out.tokens[2] == baseline_generate(model, reqs[2])
+
+
+@pytest.mark.parametrize("R, d1, d2", [(4, 1, 2), (8, 2, 4), (32, 4, 8), (32, 2, 8)])
+def test_capacity_bound_is_reached_without_gate_and_never_exceeded(R, d1, d2):
+    """Ungated sampling proposes at d1 and d2 from every lane: before the first commit the tree grows
+    exactly as the births recurrence says, so the peak lane count is the bound (249 for 2:8)."""
+    model = ToyLoopedLM(depth=R, prelude=True, coda=True, seed=2)
+    sch = LoopSpecSchedule(R, d1, d2, gate=False)
+    req = GenerationRequest([1, 2], 3, sampling=SamplingParams(1.0), seed=0)
+    out = PipelinedExecutor(model, sch).generate([req])  # raises if a step exceeds the bound
+    assert max(out.effective_batch) == sch.max_lanes
+    gated = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2)).generate([req])
+    assert max(gated.effective_batch) <= sch.max_lanes
+
+
+def test_sampling_metrics_are_consistent():
+    """Restart frequency vs the exact per-position double-rejection probability (Theorem 1 per position)."""
+    model = ToyLoopedLM(depth=8, decay=0.6, prelude=True, coda=True, seed=9)
+    sch = LoopSpecSchedule(8, 2, 4)
+    reqs = [GenerationRequest([i + 1, i + 2], 24, sampling=SamplingParams(1.0, top_p=0.9), seed=i) for i in range(8)]
+    out = PipelinedExecutor(model, sch).generate(reqs)
+    st = out.stats
+    assert st.decoded == sum(len(t) - 1 for t in out.tokens)
+    assert st.exact_double_reject_sum <= 2 * st.eps2_sum + 1e-9
+    n, p = st.decoded, st.expected_double_rejection
+    assert abs(st.double_rejection_rate - p) <= 4 * (p * (1 - p) / n) ** 0.5 + 2 / n
+    assert 0 < st.gate_open_frequency < 1 and st.second_proposals == st.gate_opens
+
+
+def test_schedule_must_match_model_depth():
+    with pytest.raises(ValueError, match="does not match the model's depth"):
+        PipelinedExecutor(ToyLoopedLM(depth=4), LoopSpecSchedule(8, 2, 4))
+
+
+# -- real tiny checkpoints: greedy is token-identical ---------------------------------------------------------
+_BASELINES: dict = {}
+
+
+def _check_greedy(model, key, R, d1, d2, reqs):
+    if key not in _BASELINES:
+        _BASELINES[key] = [baseline_generate(model, r) for r in reqs]
+    out = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2)).generate(reqs)
+    assert out.tokens == _BASELINES[key], out.summary()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ouro_models(ckpt_factory):
+    return {
+        "random": load_reference(ckpt_factory("ouro")),
+        "agreement": load_reference(ckpt_factory("ouro", options={"agreement": "0.02"})),
+    }
+
+
+@pytest.mark.parametrize("kind", ["random", "agreement"])
+@pytest.mark.parametrize("d1, d2", [(1, None), (1, 2)])
+def test_ouro_greedy_identical(ouro_models, kind, d1, d2):
+    model = ouro_models[kind]
+    assert model.depth == 4
+    out = _check_greedy(model, ("ouro", kind), 4, d1, d2, _requests(16))
+    if kind == "agreement":
+        assert out.stats.first / out.stats.decoded > 0.5  # the pipeline really runs ahead
+
+
+RAVEN = {
+    "random": {"layout": "llama"},
+    "agreement": {"layout": "llama", "agreement": "0.5"},
+    "huginn-agreement": {"layout": "huginn", "agreement": "0.3"},
+}
+
+
+@pytest.fixture(scope="module")
+def raven_models(ckpt_factory):
+    return {
+        kind: load_reference(ckpt_factory("huginn_raven", options={**opts, "state_init": "seeded"}, mean_recurrence=32))
+        for kind, opts in RAVEN.items()
+    }
+
+
+@pytest.mark.parametrize("kind", list(RAVEN))
+@pytest.mark.parametrize("d1, d2", [(2, 8), (4, 8)])
+def test_raven_greedy_identical(raven_models, kind, d1, d2):
+    model = raven_models[kind]
+    assert model.depth == 32
+    # random weights restart almost every token with huge trees (2:8 peaks near 249 lanes/request)
+    reqs = _requests(5)[:2] if kind == "random" else _requests(8)[:3]
+    out = _check_greedy(model, ("raven", kind, len(reqs)), 32, d1, d2, reqs)
+    for o in out.outputs:
+        assert max(o.stats.lanes_per_step) <= LoopSpecSchedule(32, d1, d2).max_lanes
+    if kind != "random":
+        assert out.stats.gamma > 4
+
+
+# -- sampling: distribution of whole token sequences ----------------------------------------------------------
+N_SAMPLES = 1200
+PROMPT = [3, 14, 15]
+PARAMS = SamplingParams(temperature=1.0, top_k=3)
+N_TOKENS = 3
+
+
+def _exact_tree(model, prompt, params, n_tokens) -> tuple[dict[tuple, float], dict[tuple, torch.Tensor]]:
+    """Ordinary sampling's exact distribution of the first ``n_tokens`` tokens, by enumerating the
+    (top-k) tree: ({sequence: probability}, {prefix: next-token distribution})."""
+    dist, cond = {(): 1.0}, {}
+    for _ in range(n_tokens):
+        nxt = {}
+        for seq, pr in dist.items():
+            logits = model.forward_depths(torch.tensor(prompt + list(seq)))[model.depth][-1]
+            cond[seq] = probs = filter_probs(logits, params)
+            for tok in torch.nonzero(probs).flatten().tolist():
+                nxt[seq + (tok,)] = pr * float(probs[tok])
+        dist = nxt
+    return dist, cond
+
+
+def _chi2_gof(counts: Counter, exact: dict, n: int) -> float:
+    assert set(counts) <= set(exact), "a sequence of probability 0 was generated"
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * n >= 5]
+    small = [c for c in cells if exact[c] * n < 5]
+    obs = [counts[c] for c in big] + ([sum(counts[c] for c in small)] if small else [])
+    exp = [exact[c] * n for c in big] + ([sum(exact[c] for c in small) * n] if small else [])
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _chi2_two_sample(a: Counter, b: Counter) -> float:
+    cells = sorted(set(a) | set(b), key=lambda c: -(a[c] + b[c]))
+    big = [c for c in cells if a[c] + b[c] >= 10]
+    rest = [c for c in cells if a[c] + b[c] < 10]
+    rows = [[a[c] for c in big], [b[c] for c in big]]
+    if rest:
+        rows[0].append(sum(a[c] for c in rest))
+        rows[1].append(sum(b[c] for c in rest))
+    return float(chi2_contingency(rows).pvalue)
+
+
+def _loopspec_samples(model, schedule, seed0: int) -> tuple[Counter, object]:
+    reqs = [GenerationRequest(PROMPT, N_TOKENS, sampling=PARAMS, seed=seed0 + i) for i in range(N_SAMPLES)]
+    out = PipelinedExecutor(model, schedule).generate(reqs)
+    return Counter(tuple(t) for t in out.tokens), out
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(ckpt_factory):
+    """The model, the exact distribution, and N ordinary samples.
+
+    Ordinary sampling is ancestral sampling from the full-depth next-token distributions: the tree's
+    conditionals are those of ``model.generate`` (checked on a few runs, which record the
+    distributions they sample from), so N samples are drawn from the enumerated conditionals
+    instead of N full decodes."""
+    model = load_reference(ckpt_factory("ouro", options={"agreement": "0.1"}))
+    exact, cond = _exact_tree(model, PROMPT, PARAMS, N_TOKENS)
+    g = torch.Generator().manual_seed(12345)
+    for _ in range(5):
+        seen = []
+
+        def sampler(logits):
+            seen.append(filter_probs(logits, PARAMS))
+            return sample_token(logits, PARAMS, g)
+
+        seq = model.generate(PROMPT, N_TOKENS, sample=sampler)
+        for i in range(N_TOKENS):
+            assert torch.allclose(seen[i], cond[tuple(seq[:i])], atol=1e-5)
+    ordinary = Counter()
+    for _ in range(N_SAMPLES):
+        seq: tuple = ()
+        for _ in range(N_TOKENS):
+            seq += (sample_from(cond[seq], float(torch.rand((), generator=g, dtype=torch.float64))),)
+        ordinary[seq] += 1
+    return model, exact, ordinary
+
+
+def test_sampling_matches_ordinary_sampling(sampling_setup):
+    model, exact, ordinary = sampling_setup
+    assert sum(exact.values()) == pytest.approx(1.0)
+    assert _chi2_gof(ordinary, exact, N_SAMPLES) > ALPHA  # the baseline sampler itself
+    counts, out = _loopspec_samples(model, LoopSpecSchedule(4, 1, 2), seed0=0)
+    st = out.stats
+    # every branch of the cascade was exercised
+    assert st.first > 0 and st.second > 0 and st.full > 0 and st.gate_opens > 0
+    assert _chi2_gof(counts, exact, N_SAMPLES) > ALPHA
+    assert _chi2_two_sample(counts, ordinary) > ALPHA
+
+
+def test_broken_verifier_is_detected(sampling_setup, monkeypatch):
+    """Accepting the first proposal without the ratio test samples from q1 = p_1: the same tests fail."""
+    model, exact, ordinary = sampling_setup
+
+    def accept_always(p, first, second=None, rng=None):
+        return Verdict(first.token, CommitSource.FIRST)
+
+    monkeypatch.setattr(executor_mod, "cascade_verify", accept_always)
+    counts, _ = _loopspec_samples(model, LoopSpecSchedule(4, 1, 2), seed0=0)
+    assert _chi2_two_sample(counts, ordinary) < ALPHA
+    assert set(counts) - set(exact) or _chi2_gof(counts, exact, N_SAMPLES) < ALPHA

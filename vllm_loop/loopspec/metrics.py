@@ -1,0 +1,168 @@
+"""LoopSpec metrics, with the paper's definitions.
+
+* Mean accepted length (eq. 9): ``gamma = N R / (N1 d1 + N2 d2 + (N - N1 - N2) R)``, N the tokens
+  committed by the pipeline, N1 / N2 those accepted from the first / second proposal. It counts
+  recurrent steps: an accepted first proposal leaves d1 steps to the next commit, a second one d2,
+  a restart R. gamma <= R/d1.
+* Commit shares (Section E): N1/N, N2/N, (N - N1 - N2)/N.
+* Gate-open frequency (Section D, Table 6): gate openings / gate evaluations (evaluations at d2).
+* Effective batch size (Section D, Figure 5): lanes advanced per recurrent step; mean and peak.
+* Double-rejection rate (Theorem 1): restarts / N, compared with eps2 = mean TV(p_d2, p_R) over
+  the committed positions (bound eps2 ungated, 2 eps2 gated). A single-proposal schedule restarts
+  on every first rejection (rate -> eps1 = mean TV(p_d1, p_R)). Under greedy decoding the proposal
+  and target distributions are one-hot, so TV is the disagreement indicator of the argmaxes.
+
+The token chosen from the prefill's final readout is not a pipeline commit and is not counted in N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from vllm_loop.loopspec.verify import CommitSource
+
+
+def mean_accepted_length(n_decode: int, n_first: int, n_second: int, R: int, d1: int, d2: int | None) -> float:
+    """Paper eq. 9. 0 tokens -> 0.0."""
+    if n_decode == 0:
+        return 0.0
+    n_full = n_decode - n_first - n_second
+    if n_full < 0:
+        raise ValueError("n_first + n_second exceeds n_decode")
+    if n_second and d2 is None:
+        raise ValueError("second-proposal commits without a d2")
+    cost = n_first * d1 + n_second * (d2 or 0) + n_full * R
+    return n_decode * R / cost
+
+
+def commit_shares(n_decode: int, n_first: int, n_second: int) -> dict[str, float]:
+    if n_decode == 0:
+        return {"first": 0.0, "second": 0.0, "full": 0.0}
+    return {
+        "first": n_first / n_decode,
+        "second": n_second / n_decode,
+        "full": (n_decode - n_first - n_second) / n_decode,
+    }
+
+
+def batch_size_summary(sizes: list[int]) -> dict[str, float]:
+    if not sizes:
+        return {"mean": 0.0, "peak": 0, "steps": 0}
+    return {"mean": sum(sizes) / len(sizes), "peak": max(sizes), "steps": len(sizes)}
+
+
+@dataclass
+class LoopSpecStats:
+    """Counters of one request (or a merge of several)."""
+
+    R: int
+    d1: int
+    d2: int | None
+    gate: bool = True
+    decoded: int = 0  # tokens committed by the pipeline (excludes the prefill's token)
+    first: int = 0
+    second: int = 0
+    full: int = 0
+    second_proposals: int = 0  # children spawned from the second proposal
+    gate_evaluations: int = 0
+    gate_opens: int = 0
+    first_rejected_with_second: int = 0  # first rejected while a second proposal existed
+    recurrent_steps: int = 0  # steps in which this request had lanes (for a merge: the executor's steps)
+    eps1_sum: float = 0.0  # sum over committed positions of TV(p_d1, p_R)
+    eps2_sum: float = 0.0  # sum over committed positions of TV(p_d2, p_R)
+    exact_double_reject_sum: float = 0.0  # sampling: exact P(double rejection) summed over positions
+    lanes_per_step: list[int] = field(default_factory=list)  # this request's lanes per step
+
+    def record_commit(self, source: CommitSource, had_second: bool) -> None:
+        self.decoded += 1
+        if source == CommitSource.FIRST:
+            self.first += 1
+        elif source == CommitSource.SECOND:
+            self.second += 1
+        else:
+            self.full += 1
+        if source != CommitSource.FIRST and had_second:
+            self.first_rejected_with_second += 1
+
+    # -- derived ------------------------------------------------------------------------------------------
+    @property
+    def gamma(self) -> float:
+        return mean_accepted_length(self.decoded, self.first, self.second, self.R, self.d1, self.d2)
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return commit_shares(self.decoded, self.first, self.second)
+
+    @property
+    def gate_open_frequency(self) -> float:
+        return self.gate_opens / self.gate_evaluations if self.gate_evaluations else 0.0
+
+    @property
+    def double_rejection_rate(self) -> float:
+        return self.full / self.decoded if self.decoded else 0.0
+
+    @property
+    def eps1(self) -> float:
+        return self.eps1_sum / self.decoded if self.decoded else 0.0
+
+    @property
+    def eps2(self) -> float:
+        return self.eps2_sum / self.decoded if self.decoded else 0.0
+
+    @property
+    def theorem1_bound(self) -> float | None:
+        """Theorem 1: P(both rejected) <= 2 eps2 with the gate, eps2 without (None: no d2)."""
+        if self.d2 is None:
+            return None
+        return (2.0 if self.gate else 1.0) * self.eps2
+
+    @property
+    def expected_double_rejection(self) -> float:
+        return self.exact_double_reject_sum / self.decoded if self.decoded else 0.0
+
+    def merge(self, other: LoopSpecStats) -> LoopSpecStats:
+        if (self.R, self.d1, self.d2, self.gate) != (other.R, other.d1, other.d2, other.gate):
+            raise ValueError("cannot merge stats of different schedules")
+        out = LoopSpecStats(self.R, self.d1, self.d2, self.gate)
+        for name in (
+            "decoded first second full second_proposals gate_evaluations gate_opens "
+            "first_rejected_with_second eps1_sum eps2_sum exact_double_reject_sum"
+        ).split():
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.recurrent_steps = max(self.recurrent_steps, other.recurrent_steps)
+        out.lanes_per_step = self.lanes_per_step + other.lanes_per_step
+        return out
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "lanes_per_step"}
+        d.update(
+            gamma=self.gamma,
+            gamma_bound=self.R / self.d1,
+            shares=self.shares,
+            gate_open_frequency=self.gate_open_frequency,
+            double_rejection_rate=self.double_rejection_rate,
+            eps1=self.eps1,
+            eps2=self.eps2,
+            theorem1_bound=self.theorem1_bound,
+            expected_double_rejection=self.expected_double_rejection,
+            lanes_per_request_step=batch_size_summary(self.lanes_per_step),
+        )
+        return d
+
+
+def format_summary(summary: dict, effective_batch: dict | None = None) -> str:
+    """A few human-readable lines."""
+    s = summary
+    lines = [
+        f"tokens decoded by the pipeline: {s['decoded']}  gamma (eq. 9): {s['gamma']:.3f} (max {s['gamma_bound']:.1f})",
+        "commit shares: first {first:.2%}  second {second:.2%}  full depth {full:.2%}".format(**s["shares"]),
+        f"gate-open frequency: {s['gate_open_frequency']:.2%} ({s['gate_opens']}/{s['gate_evaluations']})",
+        f"double-rejection rate: {s['double_rejection_rate']:.4f}  eps1={s['eps1']:.4f} eps2={s['eps2']:.4f}"
+        + ("" if s["theorem1_bound"] is None
+           else f"  Theorem-1 bound {'2*' if s['gate'] else ''}eps2={s['theorem1_bound']:.4f}"),
+    ]
+    if effective_batch is not None:
+        lines.append(
+            f"effective batch size per recurrent step: mean {effective_batch['mean']:.2f}, peak {effective_batch['peak']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""Building blocks of the looped vLLM models: banked attention, gated MLP, weight loading.
+
+``BankedAttention`` is the one place the recurrent-depth KV layout touches vLLM: a physical attention
+layer that is applied at several depths owns one vLLM ``Attention`` per depth ("bank"), all sharing
+its projection weights. vLLM sizes the KV cache from the registered ``Attention`` modules, so T
+applications of L weight layers get T·L cache layers, in one KV-cache group and one block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+
+def bank_prefix(bank: int) -> str:
+    """vLLM's KV layer name for a bank: exactly one integer (``extract_layer_index`` requires it)."""
+    return f"model.layers.{bank}.self_attn.attn"
+
+
+class BankedAttention(nn.Module):
+    """Self-attention with fused QKV, optional q/k bias and q/k RMSNorm, RoPE, and one KV bank
+    per depth at which the layer is applied (``forward(..., bank=k)`` picks the k-th)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        banks: Sequence[int],
+        rope: dict,
+        *,
+        max_position: int,
+        qkv_name: str = "qkv_proj",
+        out_name: str = "o_proj",
+        qk_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        cache_config=None,
+        quant_config=None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        if tp > 1 and (qk_bias or qk_norm_eps is not None):
+            raise NotImplementedError("q/k bias and q/k norm over all heads are not sharded for tensor parallelism yet")
+        self.num_heads, self.num_kv_heads = num_heads // tp, max(1, num_kv_heads // tp)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.qkv_name, self.out_name = qkv_name, out_name
+        setattr(
+            self,
+            qkv_name,
+            QKVParallelLinear(
+                hidden_size, head_dim, num_heads, num_kv_heads, bias=False, quant_config=quant_config,
+                prefix=f"{prefix}.{qkv_name}",
+            ),
+        )
+        setattr(
+            self,
+            out_name,
+            RowParallelLinear(
+                num_heads * head_dim, hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.{out_name}"
+            ),
+        )
+        # Huginn adds a learned bias to q and k before RoPE; stored as [2, 1, heads, head_dim].
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, num_heads, head_dim), requires_grad=False) if qk_bias else None
+        # OLMo-2 normalises the full q and k projections (all heads at once) before RoPE.
+        self.q_norm = RMSNorm(self.q_size, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(self.kv_size, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.rotary_emb = get_rope(
+            head_dim,
+            max_position=max_position,
+            is_neox_style=rope.get("is_neox_style", True),
+            rope_parameters={k: v for k, v in rope.items() if k != "is_neox_style"},
+        )
+        self.banks = nn.ModuleList(
+            Attention(
+                self.num_heads, head_dim, head_dim**-0.5, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+                quant_config=quant_config, prefix=bank_prefix(b),
+            )
+            for b in banks
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, bank: int) -> torch.Tensor:
+        qkv, _ = getattr(self, self.qkv_name)(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_bias is not None:
+            q = q + self.qk_bias[0].reshape(-1)
+            k = k + self.qk_bias[1].reshape(-1)  # Huginn is MHA: one k bias per query head
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = getattr(self, self.out_name)(self.banks[bank](q, k, v))
+        return out
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused in one matrix (gate first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, up_name="gate_up_proj", down_name="down_proj",
+                 quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.up_name, self.down_name = up_name, down_name
+        setattr(self, up_name, MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.{up_name}"))
+        setattr(self, down_name, RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.{down_name}"))
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = getattr(self, self.up_name)(x)
+        out, _ = getattr(self, self.down_name)(self.act(h))
+        return out
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename,
+) -> set[str]:
+    """Load checkpoint tensors by name. ``rename(hf_name) -> (param_name, shard_id) | None``
+    (None skips the tensor, e.g. Huginn's stored RoPE table). Returns the parameters loaded."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        target = rename(hf_name)
+        if target is None:
+            continue
+        name, shard = target
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {hf_name!r} maps to {name!r}, which this model does not have")
+        param = params[name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(name)
+    return loaded

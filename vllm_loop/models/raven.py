@@ -1,0 +1,201 @@
+"""Huginn-0125 and the retrofitted Raven models (``RavenForCausalLM``, model_type ``huginn_raven``).
+
+prelude blocks -> state init -> T x [adapter(cat[state, prelude_out]) -> core blocks] -> coda -> head.
+KV banks: prelude l -> l; core depth t, block l -> P + t*C + l; coda (per readout depth) after them
+(see ``BankLayout``). The three block layouts differ only inside ``RavenBlock`` and in whether
+``ln_f`` also runs before the coda (Huginn does, the retrofits do not).
+
+The initial recurrent state follows ``state_init``: ``like-init`` (Huginn's default: a fresh
+truncated normal draw per forward), ``zero``, or ``seeded`` (the same distribution, but a pure
+function of (seed, position): reproducible across runs, batches and devices).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.sequence import IntermediateTensors
+
+from vllm_loop.configs.raven import raven_layout, raven_rope
+from vllm_loop.looped import BankLayout, check_depth, seeded_state
+from vllm_loop.models.layers import BankedAttention, GatedMLP, load_named_weights
+from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
+
+
+def _rope(config, layout: str) -> dict:
+    if layout == "huginn":  # GPT-J style (interleaved pairs), table from rope_base
+        return {"rope_type": "default", "rope_theta": config.rope_base, "is_neox_style": False}
+    theta, scaling = raven_rope(config)  # HF NeoX RoPE, llama3-scaled for Llama-3.2
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    scaling = dict(scaling)
+    return {"rope_type": scaling.pop("rope_type", scaling.pop("type", "default")), "rope_theta": theta, **scaling}
+
+
+class RavenBlock(nn.Module):
+    """One transformer block in the checkpoint's layout; ``banks`` = its KV banks, one per depth."""
+
+    def __init__(self, config, layout: str, banks: list[int], cache_config, quant_config, prefix: str):
+        super().__init__()
+        H, eps = config.n_embd, config.norm_eps
+        self.layout = layout
+        self.norm_1 = RMSNorm(H, eps=eps)
+        self.attn = BankedAttention(
+            H, config.n_heads, config.num_key_value_heads, config.head_dim, banks, _rope(config, layout),
+            max_position=config.max_position_embeddings, qkv_name="Wqkv", out_name="proj",
+            qk_bias=bool(config.qk_bias), qk_norm_eps=eps if layout == "olmo2" else None,
+            cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+        )
+        self.norm_2 = RMSNorm(H, eps=eps)
+        self.mlp = GatedMLP(H, config.intermediate_size, up_name="fc", down_name="proj", quant_config=quant_config,
+                            prefix=f"{prefix}.mlp")
+        if layout == "huginn":
+            self.norm_3 = RMSNorm(H, eps=eps)
+            self.norm_4 = RMSNorm(H, eps=eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, bank: int) -> torch.Tensor:
+        if self.layout == "huginn":  # sandwich: norm after each residual add
+            x = self.norm_2(self.attn(positions, self.norm_1(x), bank) + x)
+            return self.norm_4(self.mlp(self.norm_3(x)) + x)
+        if self.layout == "llama":  # pre-norm
+            x = x + self.attn(positions, self.norm_1(x), bank)
+            return x + self.mlp(self.norm_2(x))
+        x = x + self.norm_1(self.attn(positions, x, bank))  # olmo2: post-norm
+        return x + self.norm_2(self.mlp(x))
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
+class RavenModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.depth = check_depth("mean_recurrence", config.mean_recurrence)
+        self.block_layout = raven_layout(config)
+        readout_depths = parse_readout_depths(config, self.depth)
+        self.readouts = ReadoutRecorder(readout_depths, vllm_config)
+        P, C, D = config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda
+        coda_depths = (self.depth,) + tuple(r for r in readout_depths if r != self.depth)
+        self.layout = BankLayout(prelude=P, core=C, coda=D, depth=self.depth, coda_depths=coda_depths)
+        H = config.n_embd
+        self.embed_scale = float(config.init_values["embed_scale"])
+        self.state_std = float(config.init_values["std"])
+        self.state_init = config.state_init
+        self.state_seed = int(getattr(config, "state_init_seed", 0))
+
+        def block(name: str, l: int, banks: list[int]) -> RavenBlock:
+            return RavenBlock(config, self.block_layout, banks, vllm_config.cache_config, vllm_config.quant_config,
+                              f"{prefix}.{name}.{l}")
+
+        lay = self.layout
+        self.wte = VocabParallelEmbedding(config.padded_vocab_size, H, prefix=f"{prefix}.wte")
+        self.prelude = nn.ModuleList(block("prelude", l, [lay.prelude_bank(l)]) for l in range(P))
+        self.adapter = ReplicatedLinear(2 * H, H, bias=bool(config.bias), prefix=f"{prefix}.adapter")
+        self.core_block = nn.ModuleList(
+            block("core_block", l, [lay.core_bank(t, l) for t in range(self.depth)]) for l in range(C)
+        )
+        self.coda = nn.ModuleList(block("coda", l, [lay.coda_bank(r, l) for r in coda_depths]) for l in range(D))
+        self.ln_f = RMSNorm(H, eps=config.norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids)
+
+    # The three pieces of a looped model (see vllm_loop/looped.py).
+    def pre(self, positions: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (initial state, prelude output that every core step re-injects)."""
+        e = embeds * self.embed_scale
+        for l, blk in enumerate(self.prelude):
+            e = blk(positions, e, 0)
+        return self.initial_state(positions, e), e
+
+    def initial_state(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        std = self.state_std
+        if self.state_init == "zero" or std == 0:
+            return torch.zeros_like(like)
+        if self.state_init == "seeded":
+            x = seeded_state(positions, like.shape[-1], std, self.state_seed, dtype=torch.float32)
+        else:  # like-init: truncated normal at +-3 std by inverse CDF, as torch's trunc_normal_
+            lo = 0.5 * (1 + math.erf(-3 / math.sqrt(2)))
+            u = torch.rand(like.shape, device=like.device, dtype=torch.float32)
+            x = torch.erfinv((2 * lo - 1) + (2 - 4 * lo) * u) * (std * math.sqrt(2.0))
+            x = x.clamp(-3 * std, 3 * std)
+        return (x * self.embed_scale).to(like.dtype)
+
+    def core_step(self, positions: torch.Tensor, x: torch.Tensor, inject: torch.Tensor, t: int) -> torch.Tensor:
+        x, _ = self.adapter(torch.cat([x, inject], dim=-1))
+        for blk in self.core_block:
+            x = blk(positions, x, t)
+        return x
+
+    def post(self, positions: torch.Tensor, x: torch.Tensor, r: int) -> torch.Tensor:
+        """Readout at depth r up to the LM head: [ln_f (Huginn)] -> coda (depth-r banks) -> ln_f."""
+        if self.block_layout == "huginn":
+            x = self.ln_f(x)
+        k = self.layout.coda_depths.index(r)
+        for blk in self.coda:
+            x = blk(positions, x, k)
+        return self.ln_f(x)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        embeds = inputs_embeds if inputs_embeds is not None else self.wte(input_ids)
+        x, inject = self.pre(positions, embeds)
+        for t in range(self.depth):
+            x = self.core_step(positions, x, inject, t)
+            if self.readouts.wants(t + 1) and t + 1 != self.depth:
+                self.readouts.record(t + 1, self.post(positions, x, t + 1))
+        out = self.post(positions, x, self.depth)
+        if self.readouts.wants(self.depth):
+            self.readouts.record(self.depth, out)
+        return out
+
+
+class RavenForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.transformer = RavenModel(vllm_config=vllm_config, prefix="transformer")
+        if config.tie_embeddings:
+            self.lm_head = self.transformer.wte
+        else:
+            self.lm_head = ParallelLMHead(config.padded_vocab_size, config.n_embd, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(config.padded_vocab_size, config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.transformer.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.transformer(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def readout_logits(self, r: int) -> torch.Tensor:
+        """Logits of the depth-r readout recorded in the last forward (``readout_depths``)."""
+        return self.compute_logits(self.transformer.readouts.recorded[r])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str):
+            if name == "freqs_cis":  # Huginn stores its RoPE table; vLLM computes its own
+                return None
+            if name == "lm_head.weight" and self.config.tie_embeddings:  # stored twice although tied
+                return None
+            return name, None
+
+        return load_named_weights(self, weights, rename)
