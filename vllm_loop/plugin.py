@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 
+from vllm_loop.latent import LATENT_ARCHITECTURES
+
 # Architecture name in config.json -> "module:Class". Lazy strings: vLLM imports them on demand.
 MODELS: dict[str, str] = {
     "OuroForCausalLM": "vllm_loop.models.ouro:OuroForCausalLM",  # replaces vLLM 0.26's in-tree Ouro
     "RavenForCausalLM": "vllm_loop.models.raven:RavenForCausalLM",
+    **{arch: f"vllm_loop.latent.models:{arch}" for arch in LATENT_ARCHITECTURES},
 }
 
 _registered_in_pid: int | None = None

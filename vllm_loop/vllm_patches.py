@@ -38,3 +38,135 @@ def install() -> None:
     if not _check_version():
         return
     install_config_verifiers()
+    install_latent_frontend()
+    install_latent_runner()
+    install_latent_config()
+
+
+# --- latent reasoning (COCONUT, CODI, LOTUS) ---------------------------------------------------
+
+
+def _latent_spec(model_config):
+    from vllm_loop.latent.spec import LatentSpec
+
+    return LatentSpec.from_config(model_config.hf_config)
+
+
+def install_latent_frontend() -> None:
+    """Check ``latent_budget`` and shape latent requests where vLLM turns a prompt into an engine
+    request (``InputProcessor.process_inputs``, process 0): the one place that sees every request
+    from ``LLM.generate`` and from the API server, and whose ``ValueError`` becomes an HTTP 400."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_loop.latent.frontend import prepare_request
+
+    original = InputProcessor.process_inputs
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        prepare_request(request, _latent_spec(self.model_config), self.model_config.max_model_len)
+        return request
+
+    process_inputs._vllm_loop = True
+    InputProcessor.process_inputs = process_inputs
+
+
+def _step_rows(runner, scheduler_output, driver):
+    from vllm_loop.latent.driver import StepRow
+
+    rows = []
+    qsl = runner.query_start_loc.np
+    for i, req_id in enumerate(runner.input_batch.req_ids[: runner.input_batch.num_reqs]):
+        state = runner.requests[req_id]
+        n = scheduler_output.num_scheduled_tokens[req_id]
+        driver.track(req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
+        rows.append(StepRow(req_id, int(qsl[i]), state.num_computed_tokens, n,
+                            state.num_computed_tokens + n >= state.num_tokens, len(state.output_token_ids)))
+    return rows
+
+
+def _driver(runner):
+    """The runner's latent driver, or None when its model is not a latent model."""
+    if not hasattr(runner, "_vllm_loop_driver"):
+        from vllm_loop.latent.driver import LatentDriver
+
+        model = runner.get_model()
+        spec = getattr(model, "latent_spec", None)
+        placeholder = None
+        if spec is not None:
+            codi = getattr(model, "codi", None) or {}
+            placeholder = spec.latent_token_id if spec.latent_token_id is not None else codi.get("pad_token_id")
+            placeholder = placeholder if placeholder is not None else spec.start_token_ids[-1]
+        runner._vllm_loop_driver = LatentDriver(spec, placeholder) if spec is not None else None
+    return runner._vllm_loop_driver
+
+
+def install_latent_runner() -> None:
+    """Drive latent requests from vLLM's V1 model runner (the CPU runner subclasses it; latent models
+    are kept off Model Runner V2, see ``install_latent_config``). Three private seams:
+    ``execute_model`` (the step's scheduler output, finished requests), ``_model_forward`` (fill the
+    inject buffers before, store fed-back vectors after) and ``_sample`` (force the latent phase)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner.execute_model, "_vllm_loop", False):
+        return
+    execute_model, model_forward, sample = (
+        GPUModelRunner.execute_model, GPUModelRunner._model_forward, GPUModelRunner._sample)
+
+    def execute_model_hook(self, scheduler_output, *args, **kwargs):
+        driver = _driver(self)
+        if driver is not None:
+            driver.finish(scheduler_output.finished_req_ids)
+            self._vllm_loop_step = scheduler_output
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    def model_forward_hook(self, *args, **kwargs):
+        driver, step = _driver(self), getattr(self, "_vllm_loop_step", None)
+        if driver is None or step is None:
+            return model_forward(self, *args, **kwargs)
+        self._vllm_loop_step = None
+        model = self.get_model()
+        rows = _step_rows(self, step, driver)
+        driver.before_forward(model, rows)
+        out = model_forward(self, *args, **kwargs)
+        driver.after_forward(model, out, rows)
+        self._vllm_loop_rows = rows
+        return out
+
+    def sample_hook(self, logits, spec_decode_metadata):
+        rows = getattr(self, "_vllm_loop_rows", None)
+        if rows is not None and logits is not None:
+            self._vllm_loop_rows = None
+            _driver(self).adjust_logits(logits, rows)
+        return sample(self, logits, spec_decode_metadata)
+
+    for hook in (execute_model_hook, model_forward_hook, sample_hook):
+        hook._vllm_loop = True
+    GPUModelRunner.execute_model = execute_model_hook
+    GPUModelRunner._model_forward = model_forward_hook
+    GPUModelRunner._sample = sample_hook
+
+
+def install_latent_config() -> None:
+    """Latent models run on the V1 model runner (where the driver hooks live): report them as a
+    feature Model Runner V2 does not support, which makes vLLM fall back to V1 as it does for other
+    unsupported features."""
+    from vllm.config import VllmConfig
+
+    from vllm_loop.latent import LATENT_ARCHITECTURES
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def unsupported(self):
+        found = original(self)
+        archs = getattr(self.model_config, "architectures", None) or []
+        if any(a in LATENT_ARCHITECTURES for a in archs):
+            found.append("latent-reasoning models (vllm-loop)")
+        return found
+
+    unsupported._vllm_loop = True
+    VllmConfig._get_v2_model_runner_unsupported_features = unsupported

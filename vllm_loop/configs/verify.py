@@ -66,5 +66,39 @@ class RavenVerify(VerifyAndUpdateConfig):
         _check_readout_depths(config, depth)
 
 
+class LatentVerify(VerifyAndUpdateConfig):
+    """COCONUT / CODI / LOTUS: a valid ``latent_spec``, and the scheduling the latent driver needs."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        from vllm_loop.latent.spec import LatentSpec
+
+        if LatentSpec.from_config(model_config.hf_config) is None:
+            raise ValueError(f"{model_config.architecture} needs a 'latent_spec' object in config.json")
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        from vllm_loop.latent.spec import LatentSpec
+
+        spec = LatentSpec.from_config(vllm_config.model_config.hf_config)
+        sched = vllm_config.scheduler_config
+        # The driver reads each request's outputs so far to decide what to force next; with async
+        # scheduling they lag one step behind.
+        if sched.async_scheduling:
+            raise ValueError("async_scheduling=True is not supported for latent-reasoning models; leave it unset")
+        sched.async_scheduling = False
+        if spec.kind == "looped":
+            # A LOTUS block is re-forwarded in place within one step: its prefill must not be chunked.
+            sched.enable_chunked_prefill = False
+            sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, vllm_config.model_config.max_model_len)
+
+
+def _verifiers() -> dict:
+    from vllm_loop.latent import LATENT_ARCHITECTURES
+
+    return {"OuroForCausalLM": OuroVerify, "RavenForCausalLM": RavenVerify,
+            **{arch: LatentVerify for arch in LATENT_ARCHITECTURES}}
+
+
 # Architecture -> checks, installed into vLLM's MODELS_CONFIG_MAP by the plugin.
-VERIFIERS = {"OuroForCausalLM": OuroVerify, "RavenForCausalLM": RavenVerify}
+VERIFIERS = _verifiers()

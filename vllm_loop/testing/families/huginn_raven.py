@@ -68,11 +68,11 @@ def raven_tokenizer(options) -> TokenizerSpec:
 
 
 def _token_ids(ctx: BuildContext, layout: str) -> dict[str, int]:
+    """Config token ids from the layout's tokenizer (the real retrofits carry Huginn's ids, a bug)."""
+    ids = ctx.token_ids
     if layout == "huginn":
-        ids = ctx.token_ids
         return {"bos": ids["<|begin_text|>"], "eos": ids["<|end_text|>"], "pad": ids["<|pad|>"],
                 "end_turn": ids["<|end_turn|>"]}
-    ids = ctx.token_ids
     return {"bos": ids["<|begin_of_text|>"], "eos": ids["<|end_of_text|>"], "pad": ids["<|end_of_text|>"]}
 
 
@@ -84,7 +84,7 @@ def huginn_config(ctx: BuildContext, state_init: str, ids: dict[str, int]) -> di
     P, C, D = get("n_layers_in_prelude", 1), get("n_layers_in_recurrent_block", 2), get("n_layers_in_coda", 2)
     depth = P + D + C * T if isinstance(T, int) else P + D
     std = math.sqrt(2 / (5 * n_embd))
-    base = {
+    return {
         "activation_checkpoint_impl": "per-iteration",
         "architecture_class_name": "RecurrentGPT",
         "architectures": ["RavenForCausalLM"],
@@ -135,7 +135,6 @@ def huginn_config(ctx: BuildContext, state_init: str, ids: dict[str, int]) -> di
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["pad"],
     }
-    return base
 
 
 def retrofit_config(ctx: BuildContext, layout: str, state_init: str) -> dict:

@@ -1,0 +1,158 @@
+"""Latent-reasoning models in vLLM: vLLM's own GPT-2 and Llama, plus one inject path.
+
+The only change to the model is right after the embedding lookup (the "Faster fuzzy minds" recipe):
+
+    x = torch.where(latent_mask[:n, None], latent_embeds[:n], embed(input_ids))
+
+``latent_mask`` / ``latent_embeds`` are persistent buffers that the latent driver fills before each
+step (``vllm_loop/latent/driver.py``); a step without latent rows passes an all-false mask, so the
+same code runs inside every captured CUDA graph. The vector at a latent position is the model's
+``latent_feedback`` of the previous position's final hidden state: identity for COCONUT, CODI's
+``prj`` head for CODI.
+
+LOTUS needs one more thing, only in prefill steps that contain a latent block: ``loop_passes`` > 0
+re-runs the whole step in place that many times, feeding ``E(<|latent|>) + h`` (or ``h``) back at
+the block's rows; every pass rewrites the same KV slots, so only the last pass's KV remains, and
+rows of requests that are done looping keep their last input, which makes re-running them a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+from vllm_loop.latent.spec import LatentSpec
+
+
+class LatentInjectMixin:
+    """Adds the inject buffers, the feedback hook and LOTUS's in-place passes to a vLLM causal LM."""
+
+    def _init_latent(self, vllm_config: VllmConfig) -> None:
+        config = vllm_config.model_config.hf_config
+        self.latent_spec = LatentSpec.from_config(config)
+        rows = vllm_config.scheduler_config.max_num_batched_tokens
+        hidden = config.hidden_size
+        dtype = vllm_config.model_config.dtype
+        self.register_buffer("latent_mask", torch.zeros(rows, dtype=torch.bool), persistent=False)
+        self.register_buffer("latent_embeds", torch.zeros(rows, hidden, dtype=dtype), persistent=False)
+        # The decoder's input lives in a persistent buffer too: captured graphs read fixed addresses.
+        self.register_buffer("decoder_input", torch.zeros(rows, hidden, dtype=dtype), persistent=False)
+        # LOTUS: rows of latent blocks, and how many in-place passes each row's request gets.
+        self.register_buffer("loop_row_passes", torch.zeros(rows, dtype=torch.int32), persistent=False)
+        self.loop_passes = 0  # set by the driver for the one forward that needs it; 0 = plain step
+        self.loop_add = (getattr(config, "lotus", None) or {}).get("latent_injection_mode", "add") == "add"
+
+    def latent_feedback(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vector fed back at the next latent position (COCONUT: the hidden state itself)."""
+        return hidden
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        n = inputs_embeds.shape[0]
+        x = self.decoder_input[:n]
+        x.copy_(torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds))
+        hidden = super().forward(None, positions, intermediate_tensors, x)
+        for p in range(1, self.loop_passes + 1):
+            active = (self.loop_row_passes[:n] >= p)[:, None]
+            fed = inputs_embeds + hidden if self.loop_add else hidden
+            x.copy_(torch.where(active, fed, x))
+            hidden = super().forward(None, positions, intermediate_tensors, x)
+        return hidden
+
+
+def _strip(weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """COCONUT / LOTUS training checkpoints wrap the HF model as ``base_causallm``."""
+    for name, tensor in weights:
+        yield (name[len(prefix):] if name.startswith(prefix) else name), tensor
+
+
+class CoconutGPT2LMHeadModel(LatentInjectMixin, GPT2LMHeadModel):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_latent(vllm_config)
+
+    def load_weights(self, weights):
+        return super().load_weights(_strip(weights, "base_causallm."))
+
+
+class CoconutLlamaForCausalLM(LatentInjectMixin, LlamaForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_latent(vllm_config)
+
+    def load_weights(self, weights):
+        return super().load_weights(_strip(weights, "base_causallm."))
+
+
+class LotusLlamaForCausalLM(CoconutLlamaForCausalLM):
+    """LOTUS is a plain Llama with three added tokens; its behaviour is all in the driver."""
+
+
+class LotusGPT2LMHeadModel(CoconutGPT2LMHeadModel):
+    pass
+
+
+class CodiProjection(nn.Module):
+    """CODI's ``prj``: Linear(H, prj_dim) -> GELU (erf) -> Linear(prj_dim, H) [-> LayerNorm(H)].
+    Submodule names follow the checkpoint (``prj.1``, ``prj.3``, ``prj.ln``; 0 was Dropout)."""
+
+    def __init__(self, hidden: int, prj_dim: int, use_ln: bool):
+        super().__init__()
+        self.layers = nn.ModuleDict({"1": nn.Linear(hidden, prj_dim), "3": nn.Linear(prj_dim, hidden)})
+        self.ln = nn.LayerNorm(hidden, eps=1e-5) if use_ln else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.layers["3"](nn.functional.gelu(self.layers["1"](h)))
+        return self.ln(z) if self.ln is not None else z
+
+
+class CodiMixin(LatentInjectMixin):
+    """CODI: LoRA folded into the base weights at load time, and ``prj`` as the feedback head."""
+
+    def _init_codi(self, vllm_config: VllmConfig) -> None:
+        self._init_latent(vllm_config)
+        config = vllm_config.model_config.hf_config
+        self.codi = dict(config.codi)
+        self.prj = CodiProjection(config.hidden_size, int(self.codi["prj_dim"]), not self.codi.get("prj_no_ln"))
+        self.prj.to(dtype=vllm_config.model_config.dtype)
+
+    def latent_feedback(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.prj(hidden)
+
+    def load_weights(self, weights):
+        from vllm_loop.reference.codi import merge_lora
+
+        tensors = dict(weights)  # LoRA pairs must be seen together; CODI checkpoints are small
+        codi = self.codi
+        merged = merge_lora(
+            tensors, lora_r=codi["lora_r"], lora_alpha=codi["lora_alpha"],
+            fan_in_fan_out=bool(codi.get("lora_fan_in_fan_out")), prefix=codi.get("weights_prefix", ""),
+        )
+        loaded = set(super().load_weights(merged.items()))
+        params = dict(self.prj.named_parameters())
+        for name, tensor in tensors.items():
+            if name.startswith("prj."):
+                key = name[len("prj."):]
+                key = key if key.startswith("ln.") else f"layers.{key}"
+                params[key].data.copy_(tensor.to(params[key].dtype))
+                loaded.add(f"prj.{key}")
+        return loaded
+
+
+class CODIGPT2LMHeadModel(CodiMixin, GPT2LMHeadModel):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_codi(vllm_config)
+
+
+class CODILlamaForCausalLM(CodiMixin, LlamaForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_codi(vllm_config)
