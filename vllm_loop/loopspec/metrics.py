@@ -57,7 +57,7 @@ class LoopSpecStats:
 
     R: int
     d1: int
-    d2: int | None
+    d2: int | None = None
     gate: bool = True
     decoded: int = 0  # tokens committed by the pipeline (excludes the prefill's token)
     first: int = 0

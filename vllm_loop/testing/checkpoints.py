@@ -209,7 +209,7 @@ def make_checkpoint(
     *,
     seed: int = 0,
     options: dict[str, str] | None = None,
-    vocab_size: int = 512,
+    tokenizer_vocab: int = 512,
     weights: bool = True,
     **overrides: Any,
 ) -> Path:
@@ -230,7 +230,7 @@ def make_checkpoint(
     chosen = _check_options(fam, {k: str(v) for k, v in (options or {}).items()})
 
     spec = fam.tokenizer(chosen)
-    tok = train_tokenizer(spec, vocab_size)
+    tok = train_tokenizer(spec, tokenizer_vocab)
     token_ids = {t: tok.token_to_id(t) for t in [*spec.special, *spec.appended]}
     ctx = BuildContext(
         seed=seed,
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", help=f"one of: {', '.join(sorted(FAMILIES))}")
     parser.add_argument("--out", help="output folder (created; its parent must exist)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--tokenizer-vocab", type=int, default=512,
+                        help="BPE vocabulary size (config vocab_size follows it unless --set vocab_size=N)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="family variant")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config.json override")
     args = parser.parse_args(argv)
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         options = pairs(args.option, "--option")
         overrides = {k: _parse_value(v) for k, v in pairs(args.set, "--set").items()}
         path = make_checkpoint(
-            args.family, args.out, seed=args.seed, options=options, vocab_size=args.vocab_size, **overrides
+            args.family, args.out, seed=args.seed, options=options, tokenizer_vocab=args.tokenizer_vocab, **overrides
         )
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -89,3 +89,59 @@ def kv_cache_layout(worker) -> dict:
         "page_size_bytes": spec.page_size_bytes,
         "tensor_bytes": sum(t.size for t in cfg.kv_cache_tensors),
     }
+
+
+class Server:
+    """``vllm serve MODEL`` in a subprocess on a free local port, for HTTP tests and examples."""
+
+    def __init__(self, model: str, *args: str, log_path: str, served_name: str = "tiny", timeout: float = 300):
+        import socket
+        import subprocess
+        import sys
+        import time
+        from pathlib import Path
+
+        import requests
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        vllm = str(Path(sys.executable).with_name("vllm"))
+        cpu = [] if on_gpu() else ["--dtype", "float32", "--gpu-memory-utilization", "0.1", "--enforce-eager"]
+        cmd = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+               "--max-num-seqs", "8", "--served-model-name", served_name, *cpu, *args]
+        env = dict(os.environ, VLLM_NO_USAGE_STATS="1")
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited early:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not become healthy in {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-chars:]
+
+    def post(self, path: str, body: dict):
+        import requests
+
+        return requests.post(f"{self.base}{path}", json=body, timeout=120)
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
