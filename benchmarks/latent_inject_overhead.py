@@ -6,7 +6,13 @@ Both engines use vLLM's defaults (torch.compile + CUDA graphs), random bf16 weig
 FFN 8192, vocab 128256 + COCONUT's 3 tokens). Per-token decode time = (t(576 new tokens) -
 t(64 new tokens)) / 512, median of 3, so prefill, the forced start/end tokens and start-up cancel.
 
-    python benchmarks/latent_inject_overhead.py --out results/latent-overhead.json      # needs a GPU
+    python benchmarks/latent_inject_overhead.py --out results/latent-overhead.json      # GPU
+    python benchmarks/latent_inject_overhead.py --out results/latent-overhead-cpu.json --small   # CPU
+
+Latent engines run with synchronous scheduling (the driver reads each request's output count);
+vanilla vLLM overlaps scheduling with the GPU (async scheduling) unless ``--sync-vanilla``. On the
+CPU both are synchronous, eager and fp32, so the ratio isolates the inject path and the driver;
+only the GPU gives absolute times.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+SMALL = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, vocab_size=32003,
+             torch_dtype="float32")
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, vocab_size=128259,
                 torch_dtype="bfloat16")
@@ -46,6 +55,8 @@ def decode_ms_per_token(llm, extra_args, runs: int = 3) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--small", action="store_true", help="a small shape (hidden 512, 8 layers) for the CPU")
+    ap.add_argument("--sync-vanilla", action="store_true", help="run vanilla with async scheduling off too")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc below
@@ -57,15 +68,20 @@ def main() -> int:
 
     from vllm_loop.testing.checkpoints import make_checkpoint
 
-    folder = Path(tempfile.mkdtemp()) / "coconut-llama-1b-shape"
-    make_checkpoint("coconut", folder, weights=False, options={"base": "llama"}, **LLAMA_1B)
-    result = {"gpu": torch.cuda.get_device_name(), "shape": "Llama-3.2-1B", "dtype": "bfloat16"}
+    gpu = torch.cuda.is_available()
+    shape = SMALL if args.small else LLAMA_1B
+    folder = Path(tempfile.mkdtemp()) / "coconut-llama"
+    make_checkpoint("coconut", folder, weights=False, options={"base": "llama"}, **shape)
+    result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "shape": "small" if args.small else
+              "Llama-3.2-1B", "dtype": shape["torch_dtype"], "sync_vanilla": args.sync_vanilla or not gpu}
+    engine = dict(load_format="dummy", dtype=shape["torch_dtype"], max_model_len=1024, seed=0)
+    engine.update(gpu_memory_utilization=0.5) if gpu else engine.update(gpu_memory_utilization=0.25, enforce_eager=True)
     for name, overrides, extra in (
         ("vanilla LlamaForCausalLM", {"architectures": ["LlamaForCausalLM"]}, None),
         ("CoconutLlamaForCausalLM, latent_budget=0", None, {"latent_budget": 0}),
     ):
-        llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", max_model_len=1024, seed=0,
-                  gpu_memory_utilization=0.5, hf_overrides=overrides)
+        sync = {"async_scheduling": False} if (args.sync_vanilla and overrides) else {}
+        llm = LLM(str(folder), hf_overrides=overrides, **engine, **sync)
         ms = decode_ms_per_token(llm, extra)
         result[name] = {"decode_ms_per_token": round(ms, 4),
                         "model": llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]}
@@ -74,6 +90,7 @@ def main() -> int:
     base = result["vanilla LlamaForCausalLM"]["decode_ms_per_token"]
     latent = result["CoconutLlamaForCausalLM, latent_budget=0"]["decode_ms_per_token"]
     result["overhead_percent"] = round(100 * (latent - base) / base, 2)
+    result["ratio_latent_over_vanilla"] = round(latent / base, 4)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("RESULT " + json.dumps(result))

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--agreement", type=str, default=None, help="override the factory's agreement option")
     ap.add_argument("--checkpoint", type=Path, default=None, help="use this checkpoint instead (one model)")
     ap.add_argument("--schedules", nargs="+", default=None, help="e.g. 2:8 4:8 2 (default per model)")
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling runs (greedy runs always happen)")
     ap.add_argument("--top-p", type=float, default=0.7)

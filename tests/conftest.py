@@ -20,3 +20,15 @@ def ckpt_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """The references run tiny matmuls: on a shared 2-core box one intra-op thread is ~30x faster
+    than two (OpenMP spin-waits). vLLM engines run in their own processes and are not affected."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

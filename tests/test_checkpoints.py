@@ -34,13 +34,6 @@ if "huginn_raven" in FAMILIES:
     VARIANTS += [("huginn_raven", {"layout": layout}) for layout in ("huginn", "llama", "olmo2")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls: one thread is ~30x faster than two when the two cores are shared (OpenMP spin-waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _files(path: Path) -> dict[str, bytes]:

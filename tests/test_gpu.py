@@ -9,19 +9,10 @@ import pytest
 import torch
 
 from vllm_loop.testing.engines import start_llm, stop_llm, worker_facts
+from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on the H200)")
 
-PROMPTS = [
-    "The capital of France is",
-    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
-    "A looped",
-    "def add(a, b):",
-    "Memory bandwidth limits the speed of decoding when the batch is small",
-    "x",
-    "The river flows to the sea, the sea meets the sky, and the sky holds",
-    "Numbers: 0 1 2 3 4 5",
-]
 
 
 def test_plugin_smoke_on_gpu(ckpt_factory):

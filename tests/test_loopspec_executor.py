@@ -1,6 +1,6 @@
 """The pipelined LoopSpec executor: lossless against ordinary full-depth decoding.
 
-* a toy looped LM (``vllm_loop.loopspec.toy``): bookkeeping, capacity bounds, metrics;
+* a toy looped LM (``vllm_loop.testing.toy_looped``): bookkeeping, capacity bounds, metrics;
 * tiny Ouro (R=4) and Raven (R=32) checkpoints from the factory, random and agreement-controlled:
   greedy LoopSpec == greedy full-depth decoding, token for token, batches of several requests;
 * seeded sampling on tiny Ouro: the distribution of the first three generated tokens matches ordinary
@@ -20,20 +20,13 @@ import vllm_loop.loopspec.executor as executor_mod
 from vllm_loop.loopspec.executor import GenerationRequest, PipelinedExecutor, baseline_generate
 from vllm_loop.loopspec.proposals import SamplingParams, filter_probs, sample_from, sample_token
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
-from vllm_loop.loopspec.toy import ToyLoopedLM
+from vllm_loop.testing.toy_looped import ToyLoopedLM
 from vllm_loop.loopspec.verify import CommitSource, Verdict
 from vllm_loop.reference import load_reference
 
 ALPHA = 1e-3  # significance level of the statistical tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (and stall on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _requests(n_new: int, **kw) -> list[GenerationRequest]:
@@ -68,11 +61,21 @@ def test_toy_greedy_equals_full_depth(R, d1, d2, decay):
 def test_toy_unbatched_lanes_give_the_same_tokens():
     model = ToyLoopedLM(depth=8, decay=0.7, prelude=True, coda=True, seed=5)
     sch = LoopSpecSchedule(8, 2, 4)
-    reqs = _requests(8)
+    reqs = _requests(8) + [GenerationRequest([1, 2, 3], 8)]  # a repeated prompt shares its prefill
     batched = PipelinedExecutor(model, sch).generate(reqs)
-    single = PipelinedExecutor(model, sch, batch_lanes=False).generate(reqs)
+    single = PipelinedExecutor(model, sch, batch_lanes=False, share_prefill=False).generate(reqs)
     assert batched.tokens == single.tokens == [baseline_generate(model, r) for r in reqs]
     assert batched.effective_batch == single.effective_batch
+    report = batched.report()
+    assert "gamma (eq. 9)" in report and "commit shares" in report and "effective batch size" in report
+    assert batched.summary()["measured_gamma"] <= batched.summary()["gamma"] + 1e-9
+
+
+def test_random_prefill_is_not_shared(ckpt_factory):
+    like_init = load_reference(ckpt_factory("huginn_raven", options={"state_init": "like-init"}))
+    assert not PipelinedExecutor(like_init, LoopSpecSchedule(like_init.depth, 1, 2)).share_prefill
+    seeded = load_reference(ckpt_factory("huginn_raven", options={"state_init": "seeded"}))
+    assert PipelinedExecutor(seeded, LoopSpecSchedule(seeded.depth, 1, 2)).share_prefill
 
 
 def test_eos_and_lengths():
@@ -116,6 +119,8 @@ def test_sampling_metrics_are_consistent():
 def test_schedule_must_match_model_depth():
     with pytest.raises(ValueError, match="does not match the model's depth"):
         PipelinedExecutor(ToyLoopedLM(depth=4), LoopSpecSchedule(8, 2, 4))
+    with pytest.raises(ValueError, match="at least one request"):
+        PipelinedExecutor(ToyLoopedLM(depth=4), LoopSpecSchedule(4, 1, 2)).generate([])
 
 
 # -- real tiny checkpoints: greedy is token-identical ---------------------------------------------------------
@@ -178,10 +183,15 @@ def test_raven_greedy_identical(raven_models, kind, d1, d2):
 
 
 # -- sampling: distribution of whole token sequences ----------------------------------------------------------
-N_SAMPLES = 1200
 PROMPT = [3, 14, 15]
-PARAMS = SamplingParams(temperature=1.0, top_k=3)
+PARAMS = SamplingParams(temperature=1.0, top_k=3)  # at most 3 * 3 * 3 = 27 sequences of 3 tokens
 N_TOKENS = 3
+# name -> (family, options, overrides, schedule (R, d1, d2), samples)
+SAMPLING_CASES = {
+    "ouro-1:2": ("ouro", {"agreement": "0.1"}, {}, (4, 1, 2), 1200),
+    "raven-olmo2-2:4": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
+                        {"mean_recurrence": 8}, (8, 2, 4), 500),
+}
 
 
 def _exact_tree(model, prompt, params, n_tokens) -> tuple[dict[tuple, float], dict[tuple, torch.Tensor]]:
@@ -200,6 +210,8 @@ def _exact_tree(model, prompt, params, n_tokens) -> tuple[dict[tuple, float], di
 
 
 def _chi2_gof(counts: Counter, exact: dict, n: int) -> float:
+    """Goodness of fit of observed sequence counts to exact probabilities (cells with expected
+    count < 5 pooled)."""
     assert set(counts) <= set(exact), "a sequence of probability 0 was generated"
     cells = sorted(exact, key=exact.get, reverse=True)
     big = [c for c in cells if exact[c] * n >= 5]
@@ -210,6 +222,7 @@ def _chi2_gof(counts: Counter, exact: dict, n: int) -> float:
 
 
 def _chi2_two_sample(a: Counter, b: Counter) -> float:
+    """Chi-square test of homogeneity of two samples of sequences (cells with < 10 draws pooled)."""
     cells = sorted(set(a) | set(b), key=lambda c: -(a[c] + b[c]))
     big = [c for c in cells if a[c] + b[c] >= 10]
     rest = [c for c in cells if a[c] + b[c] < 10]
@@ -220,24 +233,26 @@ def _chi2_two_sample(a: Counter, b: Counter) -> float:
     return float(chi2_contingency(rows).pvalue)
 
 
-def _loopspec_samples(model, schedule, seed0: int) -> tuple[Counter, object]:
-    reqs = [GenerationRequest(PROMPT, N_TOKENS, sampling=PARAMS, seed=seed0 + i) for i in range(N_SAMPLES)]
+def _loopspec_samples(model, schedule, n: int, seed0: int = 0) -> tuple[Counter, object]:
+    reqs = [GenerationRequest(PROMPT, N_TOKENS, sampling=PARAMS, seed=seed0 + i) for i in range(n)]
     out = PipelinedExecutor(model, schedule).generate(reqs)
     return Counter(tuple(t) for t in out.tokens), out
 
 
-@pytest.fixture(scope="module")
-def sampling_setup(ckpt_factory):
-    """The model, the exact distribution, and N ordinary samples.
+@pytest.fixture(scope="module", params=list(SAMPLING_CASES))
+def sampling_case(request, ckpt_factory):
+    """Model, schedule, N, the exact distribution, and N ordinary samples.
 
     Ordinary sampling is ancestral sampling from the full-depth next-token distributions: the tree's
-    conditionals are those of ``model.generate`` (checked on a few runs, which record the
-    distributions they sample from), so N samples are drawn from the enumerated conditionals
-    instead of N full decodes."""
-    model = load_reference(ckpt_factory("ouro", options={"agreement": "0.1"}))
+    conditionals are those ``model.generate`` samples from (checked on a few runs, which record the
+    distributions they see), so the N ordinary samples are drawn from the enumerated conditionals
+    instead of running N full decodes."""
+    family, options, overrides, (R, d1, d2), n = SAMPLING_CASES[request.param]
+    model = load_reference(ckpt_factory(family, options=options, **overrides))
+    assert model.depth == R
     exact, cond = _exact_tree(model, PROMPT, PARAMS, N_TOKENS)
     g = torch.Generator().manual_seed(12345)
-    for _ in range(5):
+    for _ in range(3):
         seen = []
 
         def sampler(logits):
@@ -248,34 +263,34 @@ def sampling_setup(ckpt_factory):
         for i in range(N_TOKENS):
             assert torch.allclose(seen[i], cond[tuple(seq[:i])], atol=1e-5)
     ordinary = Counter()
-    for _ in range(N_SAMPLES):
+    for _ in range(n):
         seq: tuple = ()
         for _ in range(N_TOKENS):
             seq += (sample_from(cond[seq], float(torch.rand((), generator=g, dtype=torch.float64))),)
         ordinary[seq] += 1
-    return model, exact, ordinary
+    return model, LoopSpecSchedule(R, d1, d2), n, exact, ordinary
 
 
-def test_sampling_matches_ordinary_sampling(sampling_setup):
-    model, exact, ordinary = sampling_setup
+def test_sampling_matches_ordinary_sampling(sampling_case):
+    model, schedule, n, exact, ordinary = sampling_case
     assert sum(exact.values()) == pytest.approx(1.0)
-    assert _chi2_gof(ordinary, exact, N_SAMPLES) > ALPHA  # the baseline sampler itself
-    counts, out = _loopspec_samples(model, LoopSpecSchedule(4, 1, 2), seed0=0)
+    assert _chi2_gof(ordinary, exact, n) > ALPHA  # the baseline sampler itself
+    counts, out = _loopspec_samples(model, schedule, n)
     st = out.stats
     # every branch of the cascade was exercised
     assert st.first > 0 and st.second > 0 and st.full > 0 and st.gate_opens > 0
-    assert _chi2_gof(counts, exact, N_SAMPLES) > ALPHA
+    assert _chi2_gof(counts, exact, n) > ALPHA
     assert _chi2_two_sample(counts, ordinary) > ALPHA
 
 
-def test_broken_verifier_is_detected(sampling_setup, monkeypatch):
-    """Accepting the first proposal without the ratio test samples from q1 = p_1: the same tests fail."""
-    model, exact, ordinary = sampling_setup
+def test_broken_verifier_is_detected(sampling_case, monkeypatch):
+    """Accepting the first proposal without the ratio test samples from q1 = p_d1: the same tests fail."""
+    model, schedule, n, exact, ordinary = sampling_case
 
     def accept_always(p, first, second=None, rng=None):
         return Verdict(first.token, CommitSource.FIRST)
 
     monkeypatch.setattr(executor_mod, "cascade_verify", accept_always)
-    counts, _ = _loopspec_samples(model, LoopSpecSchedule(4, 1, 2), seed0=0)
+    counts, _ = _loopspec_samples(model, schedule, n)
     assert _chi2_two_sample(counts, ordinary) < ALPHA
-    assert set(counts) - set(exact) or _chi2_gof(counts, exact, N_SAMPLES) < ALPHA
+    assert set(counts) - set(exact) or _chi2_gof(counts, exact, n) < ALPHA

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_loop.loopspec.lanes import BranchTree
+from vllm_loop.loopspec.lanes import BranchTree, Proposed
 from vllm_loop.loopspec.metrics import LoopSpecStats, batch_size_summary, commit_shares, mean_accepted_length
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.loopspec.verify import CommitSource
@@ -95,13 +95,13 @@ def _tree_with_two_children():
     tree = BranchTree()
     root = tree.start(token=10, position=5)
     a = tree.spawn(root, 11, CommitSource.FIRST)
-    root.first = (11, None, a)
+    root.first = Proposed(11, None, a)
     b = tree.spawn(root, 12, CommitSource.SECOND)
-    root.second = (12, None, b)
+    root.second = Proposed(12, None, b)
     a1 = tree.spawn(a, 21, CommitSource.FIRST)
-    a.first = (21, None, a1)
+    a.first = Proposed(21, None, a1)
     b1 = tree.spawn(b, 22, CommitSource.FIRST)
-    b.first = (22, None, b1)
+    b.first = Proposed(22, None, b1)
     return tree, root, a, b, a1, b1
 
 

@@ -31,12 +31,6 @@ from vllm_loop.loopspec.verify import (
 V = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _logits(g, n=3, scale=2.0):

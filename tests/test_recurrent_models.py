@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_loop.testing.engines import kv_cache_layout, recorded_readouts, start_llm, stop_llm
+from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
 CHECKPOINTS = {
     "ouro": ("ouro", {}),
@@ -17,16 +18,6 @@ CHECKPOINTS = {
     "raven-llama": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}),
     "raven-olmo2": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded"}),
 }
-PROMPTS = [
-    "The capital of France is",
-    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
-    "A looped",
-    "def add(a, b):",
-    "Memory bandwidth limits the speed of decoding when the batch is small",
-    "x",
-    "The river flows to the sea, the sea meets the sky, and the sky holds",
-    "Numbers: 0 1 2 3 4 5",
-]
 ATOL = 2e-4  # fp32 logits, vLLM kernels vs the reference's plain einsum attention
 
 

@@ -37,15 +37,6 @@ MAX_NEW = 10
 ATOL = 2e-4  # fp32 logits (|logit| ~ 10) of two implementations
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: intra-op threads only add contention (10x slower on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def prompts(path) -> list[list[int]]:
     tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
     return [tok.encode(t).ids for t in TEXTS]

@@ -31,13 +31,6 @@ LAYOUTS = {
 ATOL = 1e-4  # fp32; logits have a std of ~4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls: one thread is ~30x faster than two when the two cores are shared (OpenMP spin-waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(params=list(LAYOUTS))

@@ -15,7 +15,7 @@ from scipy.optimize import minimize
 
 from vllm_loop.loopspec.proposals import SamplingParams
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
-from vllm_loop.loopspec.toy import ToyLoopedLM
+from vllm_loop.testing.toy_looped import ToyLoopedLM
 from vllm_loop.loopspec.tune import (
     cost_bound,
     fit_power_envelope,
@@ -30,12 +30,6 @@ from vllm_loop.loopspec.tune import (
 from vllm_loop.tune import main as tune_main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- Theorem 2 -------------------------------------------------------------------------------------------------
@@ -146,7 +140,7 @@ def test_cli_on_tiny_ouro(ckpt_factory, prompt_file, tmp_path, capsys):
     args = [ckpt, "--prompts", str(prompt_file), "--max-new-tokens", "8", "--plot", str(png), "--json", str(js)]
     assert tune_main(args) == 0
     out = capsys.readouterr().out
-    assert "Theorem 2 optimum (R=4)" in out and "recommended: --speculative-config" in out
+    assert "Theorem 2 optimum (R=4)" in out and "recommended LoopSpec schedule:" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(js.read_text())
     assert data["R"] == 4 and data["profile"]["positions"] == 4 * 8

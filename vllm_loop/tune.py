@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from vllm_loop.loopspec.proposals import SamplingParams
-from vllm_loop.loopspec.tune import format_result, measure_depth_profile, plot_fit, tune_profile
+from vllm_loop.loopspec.tune import format_profile, format_result, measure_depth_profile, plot_fit, tune_profile
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +69,10 @@ def encode_prompts(items: list, checkpoint: Path) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="python -m vllm_loop.tune", description=__doc__.split("\n\n")[0])
+    ap = _Parser(
+        prog="python -m vllm_loop.tune",
+        description="Pick LoopSpec proposal depths (d1, d2) for a looped model from its measured TV decay.",
+    )
     ap.add_argument("checkpoint", type=Path, help="Hugging Face folder of a looped model (Ouro, Huginn, Raven)")
     ap.add_argument("--prompts", type=Path, required=True, help="prompt file (.jsonl, .json or text lines)")
     ap.add_argument("--depth", type=int, default=None, help="R: loop count to run (default: the checkpoint's)")
@@ -99,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         profile = measure_depth_profile(
             model, prompts, params, args.max_new_tokens, seed=args.seed, positions=args.positions
         )
-        result = tune_profile(profile)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        result = tune_profile(profile)
+    except ValueError as e:  # e.g. every intermediate depth already agrees with depth R
+        print(format_profile(profile))
+        print(f"error: cannot fit the envelope: {e}", file=sys.stderr)
+        return 1
     print(format_result(result))
     if args.plot is not None:
         plot_fit(result, args.plot)

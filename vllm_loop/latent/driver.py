@@ -131,7 +131,8 @@ class LatentDriver:
             next_pos = r.first_pos + r.num_tokens  # position of the token sampled now
             if next_pos in self.latent_positions(req) and next_pos not in req.ledger:
                 last = hidden_states[r.row + r.num_tokens - 1]
-                req.ledger[next_pos] = model.latent_feedback(last.unsqueeze(0))[0].detach()
+                # clone: the hidden states may live in a buffer the next step overwrites (CUDA graphs)
+                req.ledger[next_pos] = model.latent_feedback(last.unsqueeze(0))[0].detach().clone()
 
     def adjust_logits(self, logits: torch.Tensor, rows: list[StepRow]) -> None:
         """Force the latent phase's tokens; keep ``suppress_token_ids`` out of answers."""

@@ -56,13 +56,17 @@ class LatentInjectMixin:
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         n = inputs_embeds.shape[0]
+        step_input = torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds)
         x = self.decoder_input[:n]
-        x.copy_(torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds))
+        x.copy_(step_input)
         hidden = super().forward(None, positions, intermediate_tensors, x)
         for p in range(1, self.loop_passes + 1):
+            # The decoder may update its input buffer in place (fused residual add + norm), so the
+            # next pass is built from our own copy of the last input, not from `x`.
             active = (self.loop_row_passes[:n] >= p)[:, None]
             fed = inputs_embeds + hidden if self.loop_add else hidden
-            x.copy_(torch.where(active, fed, x))
+            step_input = torch.where(active, fed, step_input)
+            x.copy_(step_input)
             hidden = super().forward(None, positions, intermediate_tensors, x)
         return hidden
 
@@ -127,7 +131,7 @@ class CodiMixin(LatentInjectMixin):
         return self.prj(hidden)
 
     def load_weights(self, weights):
-        from vllm_loop.reference.codi import merge_lora
+        from vllm_loop.latent.lora import merge_lora
 
         tensors = dict(weights)  # LoRA pairs must be seen together; CODI checkpoints are small
         codi = self.codi

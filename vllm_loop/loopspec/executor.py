@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from vllm_loop.loopspec.lanes import BranchTree, Lane
+from vllm_loop.loopspec.lanes import BranchTree, Lane, Proposed
 from vllm_loop.loopspec.metrics import LoopSpecStats, batch_size_summary, format_summary
 from vllm_loop.loopspec.proposals import (
     SamplingParams,
@@ -199,18 +199,35 @@ class PipelinedExecutor:
     ``depth`` must equal ``schedule.R``.
 
     ``batch_lanes=False`` runs every lane in its own call (one row, the exact shapes of ordinary
-    one-token decoding) instead of one call per depth group.
+    one-token decoding) instead of one call per depth group. ``check_capacity`` asserts that no
+    request ever has more lanes than ``schedule.max_lanes``. ``share_prefill`` lets requests with
+    the same prompt share one prefill; it is turned off for a model whose prefill is random (Raven's
+    ``state_init="like-init"``), where requests must draw their own initial states.
     """
 
-    def __init__(self, model, schedule: LoopSpecSchedule, *, batch_lanes: bool = True, check_capacity: bool = True):
+    def __init__(
+        self,
+        model,
+        schedule: LoopSpecSchedule,
+        *,
+        batch_lanes: bool = True,
+        check_capacity: bool = True,
+        share_prefill: bool = True,
+    ):
         if model.depth != schedule.R:
             raise ValueError(f"schedule R={schedule.R} does not match the model's depth {model.depth}")
         self.model, self.schedule = model, schedule
         self.batch_lanes, self.check_capacity = batch_lanes, check_capacity
+        random_prefill = getattr(getattr(model, "config", None), "state_init", None) == "like-init"
+        self.share_prefill = share_prefill and not random_prefill
 
     # -- public API -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: list[GenerationRequest]) -> RunOutput:
+        """Decode all requests together; sampling requests use ``torch.Generator().manual_seed(seed)``
+        (seed None: the request's index)."""
+        if not requests:
+            raise ValueError("generate() needs at least one request")
         sch = self.schedule
         live: list[_Live] = []
         for i, req in enumerate(requests):
@@ -239,7 +256,7 @@ class PipelinedExecutor:
         """Ordinary forward of the prompt filling every bank (coda banks at d1, d2, R). Requests with
         the same prompt share one prefill: the KV is forked (tensors are never written in place)."""
         key = tuple(st.request.prompt)
-        if key not in cache:
+        if key not in cache or not self.share_prefill:
             kv = SequenceKV()
             logits = self.model.forward_depths(torch.tensor(key), kv, depths=self.schedule.readout_depths)
             cache[key] = (kv, logits[self.schedule.R][-1])
@@ -347,7 +364,7 @@ class PipelinedExecutor:
             q1 = value
             x1 = sample_from(q1, st.uniform())
         child = st.tree.spawn(lane, x1, CommitSource.FIRST)
-        lane.first = (x1, q1, child)
+        lane.first = Proposed(x1, q1, child)
         return child
 
     def _second_proposal(self, st: _Live, lane: Lane, value) -> Lane | None:
@@ -369,7 +386,7 @@ class PipelinedExecutor:
         st.stats.gate_opens += 1
         st.stats.second_proposals += 1
         child = st.tree.spawn(lane, x2, CommitSource.SECOND)
-        lane.second = (x2, q2, child)
+        lane.second = Proposed(x2, q2, child)
         return child
 
     # -- verification and commit ----------------------------------------------------------------------------
@@ -379,7 +396,7 @@ class PipelinedExecutor:
         second = root.second
         if st.params.greedy:
             target = value
-            verdict = cascade_verify_greedy(target, x1, None if second is None else second[0])
+            verdict = cascade_verify_greedy(target, x1, None if second is None else second.token)
             st.stats.eps1_sum += float(x1 != target)
             if sch.d2 is not None:
                 st.stats.eps2_sum += float(root.q2_tilde != target)
@@ -389,7 +406,7 @@ class PipelinedExecutor:
             verdict = cascade_verify(
                 p,
                 Proposal(x1, q1),
-                None if second is None else Proposal(second[0], second[1]),
+                None if second is None else Proposal(second.token, second.dist),
                 rng=st.uniform,
             )
             st.stats.eps1_sum += float(total_variation(q1, p))

@@ -18,9 +18,17 @@ Engine-independent: ``state`` and ``kv`` are opaque slots for whoever executes t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_loop.loopspec.verify import CommitSource
+
+
+class Proposed(NamedTuple):
+    """A proposal a lane made for the next position, and the child lane computing it."""
+
+    token: int
+    dist: Any  # the (filtered) distribution it was drawn from; None under greedy
+    child: Lane
 
 
 @dataclass(eq=False)
@@ -32,9 +40,8 @@ class Lane:
     parent: Lane | None = None  # None once the parent has committed
     depth: int = 0
     children: list[Lane] = field(default_factory=list)
-    # proposals this lane made for the next position: (token, distribution or None, child lane)
-    first: Any = None
-    second: Any = None
+    first: Proposed | None = None  # made at depth d1
+    second: Proposed | None = None  # made at depth d2 when the gate opened
     q2_tilde: Any = None  # the d2 readout (for metrics / exact analysis), kept even if the gate closed
     state: Any = None  # executor payload (hidden state)
     kv: dict = field(default_factory=dict)  # executor payload: this lane's own KV per bank
@@ -111,9 +118,9 @@ class BranchTree:
             raise RuntimeError("commit() on an empty tree")
         keep: Lane | None = None
         if source == CommitSource.FIRST and root.first is not None:
-            keep = root.first[2]
+            keep = root.first.child
         elif source == CommitSource.SECOND and root.second is not None:
-            keep = root.second[2]
+            keep = root.second.child
         kept = set(map(id, self.descendants(keep))) if keep is not None else set()
         for lane in self._lanes:
             if id(lane) not in kept:

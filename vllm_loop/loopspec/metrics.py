@@ -164,5 +164,9 @@ def format_summary(summary: dict, effective_batch: dict | None = None) -> str:
     if effective_batch is not None:
         lines.append(
             f"effective batch size per recurrent step: mean {effective_batch['mean']:.2f}, peak {effective_batch['peak']}"
+            " (all requests)"
         )
+    per = s["lanes_per_request_step"]
+    if per["steps"]:
+        lines.append(f"lanes of one request per recurrent step: mean {per['mean']:.2f}, peak {per['peak']}")
     return "\n".join(lines)

@@ -262,14 +262,15 @@ def tune_profile(profile: DepthProfile) -> TuneResult:
     return recommend(env.beta, env.alpha, profile.R, profile, env)
 
 
+def format_profile(p: DepthProfile) -> str:
+    lines = [f"measured on {p.positions} token positions, sampling {p.sampling}", "depth  TV(p_r, p_R)  greedy agreement"]
+    for r, tv, ag in zip(p.depths, p.tv, p.agreement):
+        lines.append(f"{r:5d}  {tv:12.5f}  {ag:15.2%}")
+    return "\n".join(lines)
+
+
 def format_result(res: TuneResult) -> str:
-    lines = []
-    if res.profile is not None:
-        p = res.profile
-        lines.append(f"measured on {p.positions} token positions, sampling {p.sampling}")
-        lines.append("depth  TV(p_r, p_R)  greedy agreement")
-        for r, tv, ag in zip(p.depths, p.tv, p.agreement):
-            lines.append(f"{r:5d}  {tv:12.5f}  {ag:15.2%}")
+    lines = [] if res.profile is None else [format_profile(res.profile)]
     e = res.envelope
     lines.append(f"power-law envelope: phi(r) = {e.beta:.4f} * r^-{e.alpha:.4f}  (max phi/TV = {e.max_ratio:.3f})")
     lines.append(
@@ -285,7 +286,8 @@ def format_result(res: TuneResult) -> str:
         lines.append(f"with the measured TV in place of the envelope: d1={d1} d2={'-' if d2 is None else d2} f={f:.3f}")
     d1, d2 = res.best
     cfg = {"method": "loopspec", "d1": d1} | ({} if d2 is None else {"d2": d2})
-    lines.append(f"recommended: --speculative-config '{_json(cfg)}'")
+    # The speculative-config form the vLLM integration will take (not wired into vLLM yet).
+    lines.append(f"recommended LoopSpec schedule: {_json(cfg)}")
     return "\n".join(lines)
 
 

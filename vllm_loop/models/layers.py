@@ -147,3 +147,38 @@ def load_named_weights(
             loader(param, tensor, shard)
         loaded.add(name)
     return loaded
+
+
+class LoopedForCausalLM(nn.Module):
+    """vLLM's causal-LM interface around a looped decoder: forward, logits, depth readouts.
+
+    Subclasses set ``decoder_attr`` (the checkpoint's prefix: Ouro ``model``, Raven ``transformer``),
+    build the decoder there, and call ``_init_head``.
+    """
+
+    decoder_attr: str
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self, self.decoder_attr)
+
+    def _init_head(self, vocab_size: int, hidden_size: int, tie: bool, logical_vocab: int | None = None) -> None:
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self.lm_head = self.decoder.embed_tokens_module() if tie else ParallelLMHead(
+            vocab_size, hidden_size, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(vocab_size, logical_vocab or vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        return self.decoder(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def recorded_readouts(self) -> dict[int, torch.Tensor]:
+        """Logits of every depth readout recorded in the last forward (``readout_depths``)."""
+        return {r: self.compute_logits(h) for r, h in self.decoder.readouts.recorded.items()}

@@ -18,12 +18,10 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from vllm_loop.looped import BankLayout, check_depth, ouro_exit_depth, ouro_exit_pdf
-from vllm_loop.models.layers import BankedAttention, GatedMLP, load_named_weights
+from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights
 from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
 
 
@@ -85,6 +83,9 @@ class OuroModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def embed_tokens_module(self) -> nn.Module:
+        return self.embed_tokens
+
     # The three pieces of a looped model (see vllm_loop/looped.py).
     def pre(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -108,7 +109,7 @@ class OuroModel(nn.Module):
         for t in range(self.depth):
             h = self.core_step(positions, h, t)
             if select:
-                states.append(h)
+                states.append(h.clone())  # the next loop's fused add+norm updates h in place (GPU)
             if self.readouts.wants(t + 1):
                 self.readouts.record(t + 1, h)
         if self.exit_step is not None:
@@ -120,36 +121,15 @@ class OuroModel(nn.Module):
         return h
 
 
-class OuroForCausalLM(nn.Module):
+class OuroForCausalLM(LoopedForCausalLM):
+    decoder_attr = "model"
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = OuroModel(vllm_config=vllm_config, prefix="model")
-        if config.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def readout_logits(self, r: int) -> torch.Tensor:
-        """Logits of the depth-r readout recorded in the last forward (``readout_depths``)."""
-        return self.compute_logits(self.model.readouts.recorded[r])
+        self._init_head(config.vocab_size, config.hidden_size, config.tie_word_embeddings)
 
     _STACKED = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
                 ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}

@@ -22,13 +22,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from vllm_loop.configs.raven import raven_layout, raven_rope
 from vllm_loop.looped import BankLayout, check_depth, seeded_state
-from vllm_loop.models.layers import BankedAttention, GatedMLP, load_named_weights
+from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights
 from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
 
 
@@ -110,6 +108,9 @@ class RavenModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)
 
+    def embed_tokens_module(self) -> nn.Module:
+        return self.wte
+
     # The three pieces of a looped model (see vllm_loop/looped.py).
     def pre(self, positions: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (initial state, prelude output that every core step re-injects)."""
@@ -159,36 +160,15 @@ class RavenModel(nn.Module):
         return out
 
 
-class RavenForCausalLM(nn.Module):
+class RavenForCausalLM(LoopedForCausalLM):
+    decoder_attr = "transformer"
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
         self.transformer = RavenModel(vllm_config=vllm_config, prefix="transformer")
-        if config.tie_embeddings:
-            self.lm_head = self.transformer.wte
-        else:
-            self.lm_head = ParallelLMHead(config.padded_vocab_size, config.n_embd, prefix="lm_head")
-        self.logits_processor = LogitsProcessor(config.padded_vocab_size, config.vocab_size)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.transformer.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def readout_logits(self, r: int) -> torch.Tensor:
-        """Logits of the depth-r readout recorded in the last forward (``readout_depths``)."""
-        return self.compute_logits(self.transformer.readouts.recorded[r])
+        self._init_head(config.padded_vocab_size, config.n_embd, config.tie_embeddings, config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str):

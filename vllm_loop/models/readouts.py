@@ -43,4 +43,6 @@ class ReadoutRecorder:
         return r in self.depths
 
     def record(self, r: int, hidden: torch.Tensor) -> None:
-        self.recorded[r] = hidden
+        # A copy: on GPU the fused residual-add RMSNorm updates its inputs in place, so the state of
+        # depth r would be overwritten while depth r+1 is computed.
+        self.recorded[r] = hidden.clone()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 
 from vllm_loop.latent.spec import LatentSpec
 from vllm_loop.reference.kv import SequenceKV

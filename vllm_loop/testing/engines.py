@@ -73,9 +73,8 @@ def worker_facts(worker) -> dict:
 
 def recorded_readouts(worker) -> dict:
     """Logits of every depth readout recorded in the last forward pass (``readout_depths``)."""
-    model = worker.model_runner.model
-    inner = getattr(model, "model", None) or model.transformer
-    return {r: model.readout_logits(r).float().cpu() for r in inner.readouts.recorded}
+    readouts = worker.model_runner.get_model().recorded_readouts()
+    return {r: logits.float().cpu() for r, logits in readouts.items()}
 
 
 def kv_cache_layout(worker) -> dict:

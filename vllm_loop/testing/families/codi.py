@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_loop.latent.lora import CODI_PREFIX  # the real PEFT state-dict prefix
 from vllm_loop.latent.spec import LatentSpec
 from vllm_loop.testing.checkpoints import BuildContext, Checkpoint, TokenizerSpec, family
 from vllm_loop.testing.families.coconut import base_checkpoint, base_tokenizer, generation_config
 
 CODI_TOKENS = ["[PAD]", "<|bot|>", "<|eot|>"]  # ids V, V+1, V+2
-CODI_PREFIX = "codi.base_model.model."
 LORA_TARGETS = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj"],
