@@ -132,3 +132,11 @@ def raven_rope(config) -> tuple[float | None, dict | None]:
     if params.get("rope_type", params.get("type", "default")) == "default":
         return theta, None
     return theta, params
+
+
+def raven_embed_scale(config, layout: str) -> float:
+    """Huginn computes its scale as sqrt(n_embd) (``_init_func``), ignoring the JSON value; the
+    retrofit modeling files read ``init_values["embed_scale"]`` (1.0 in their checkpoints)."""
+    if layout == "huginn":
+        return math.sqrt(config.n_embd)
+    return float(config.init_values["embed_scale"])

@@ -24,7 +24,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-from vllm_loop.configs.raven import raven_layout, raven_rope
+from vllm_loop.configs.raven import raven_embed_scale, raven_layout, raven_rope
 from vllm_loop.looped import BankLayout, check_depth, seeded_state
 from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights
 from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
@@ -86,7 +86,7 @@ class RavenModel(nn.Module):
         coda_depths = (self.depth,) + tuple(r for r in readout_depths if r != self.depth)
         self.layout = BankLayout(prelude=P, core=C, coda=D, depth=self.depth, coda_depths=coda_depths)
         H = config.n_embd
-        self.embed_scale = float(config.init_values["embed_scale"])
+        self.embed_scale = raven_embed_scale(config, self.block_layout)
         self.state_std = float(config.init_values["std"])
         self.state_init = config.state_init
         self.state_seed = int(getattr(config, "state_init_seed", 0))

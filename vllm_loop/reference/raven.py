@@ -19,12 +19,10 @@ added to q and k before RoPE; RoPE is interleaved (GPT-J) from ``rope_base`` for
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from vllm_loop.configs.raven import STATE_INITS, RavenConfig, raven_layout, raven_rope
+from vllm_loop.configs.raven import STATE_INITS, RavenConfig, raven_embed_scale, raven_layout, raven_rope
 from vllm_loop.looped import seeded_state
 from vllm_loop.reference.base import LoopedReference, LoopState
 from vllm_loop.reference.common import apply_interleaved_rope, apply_neox_rope, gated_mlp, rms_norm, rope_inv_freq
@@ -70,14 +68,6 @@ def raven_tensor_names(config: RavenConfig, layout: str) -> list[str]:
 IGNORED_TENSORS = ("freqs_cis", "lm_head.weight")
 
 
-def huginn_embed_scale(config: RavenConfig, layout: str) -> float:
-    """Huginn computes its scale as sqrt(n_embd) (``_init_func``), ignoring the JSON value; the
-    retrofit modeling files read ``init_values["embed_scale"]`` (1.0 in their checkpoints)."""
-    if layout == "huginn":
-        return math.sqrt(config.n_embd)
-    return float(config.init_values["embed_scale"])
-
-
 class RavenReference(LoopedReference):
     def __init__(self, config: RavenConfig, weights: dict[str, torch.Tensor], depth: int):
         super().__init__()
@@ -88,7 +78,7 @@ class RavenReference(LoopedReference):
         self.n_heads, self.n_kv = config.n_heads, config.num_key_value_heads
         self.head_dim = self._head_dim(config)
         self.eps = config.norm_eps
-        self.embed_scale = huginn_embed_scale(config, self.layout)
+        self.embed_scale = raven_embed_scale(config, self.layout)
         self.head_weight = weights["transformer.wte.weight" if config.tie_embeddings else "lm_head.weight"]
         self.vocab_size = self.head_weight.shape[0]
         if self.layout == "huginn":
