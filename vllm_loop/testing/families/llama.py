@@ -51,6 +51,20 @@ def llama_config(ctx: BuildContext, **extra) -> dict:
     return ctx.config(base)
 
 
+def attention_mlp_tensors(ctx: BuildContext, p: str, H: int, q: int, kv: int, I: int) -> dict[str, torch.Tensor]:
+    """One Llama/Qwen2-style layer's projections (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``),
+    random with 1/sqrt(fan_in) scales, in a fixed draw order."""
+    return {
+        p + "self_attn.q_proj.weight": ctx.randn(q, H, std=H**-0.5),
+        p + "self_attn.k_proj.weight": ctx.randn(kv, H, std=H**-0.5),
+        p + "self_attn.v_proj.weight": ctx.randn(kv, H, std=H**-0.5),
+        p + "self_attn.o_proj.weight": ctx.randn(H, q, std=q**-0.5),
+        p + "mlp.gate_proj.weight": ctx.randn(I, H, std=H**-0.5),
+        p + "mlp.up_proj.weight": ctx.randn(I, H, std=H**-0.5),
+        p + "mlp.down_proj.weight": ctx.randn(H, I, std=I**-0.5),
+    }
+
+
 def llama_tensors(ctx: BuildContext, cfg: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """HF Llama state dict (``model.*`` and ``lm_head``), random, shaped from ``cfg``."""
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -59,13 +73,7 @@ def llama_tensors(ctx: BuildContext, cfg: dict, prefix: str = "") -> dict[str, t
     t: dict[str, torch.Tensor] = {f"{prefix}model.embed_tokens.weight": ctx.randn(V, H, std=1.0)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"{prefix}model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = ctx.randn(q, H, std=H**-0.5)
-        t[p + "self_attn.k_proj.weight"] = ctx.randn(kv, H, std=H**-0.5)
-        t[p + "self_attn.v_proj.weight"] = ctx.randn(kv, H, std=H**-0.5)
-        t[p + "self_attn.o_proj.weight"] = ctx.randn(H, q, std=q**-0.5)
-        t[p + "mlp.gate_proj.weight"] = ctx.randn(I, H, std=H**-0.5)
-        t[p + "mlp.up_proj.weight"] = ctx.randn(I, H, std=H**-0.5)
-        t[p + "mlp.down_proj.weight"] = ctx.randn(H, I, std=I**-0.5)
+        t.update(attention_mlp_tensors(ctx, p, H, q, kv, I))
         t[p + "input_layernorm.weight"] = ctx.norm_weight(H)
         t[p + "post_attention_layernorm.weight"] = ctx.norm_weight(H)
     t[f"{prefix}model.norm.weight"] = ctx.norm_weight(H)

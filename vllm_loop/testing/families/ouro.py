@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from vllm_loop.testing.checkpoints import BuildContext, Checkpoint, TokenizerSpec, family
+from vllm_loop.testing.families.llama import attention_mlp_tensors
 
 OURO_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -111,13 +112,7 @@ def ouro_tensors(ctx: BuildContext, cfg: dict, agreement: float) -> dict[str, to
     t = {"model.embed_tokens.weight": ctx.randn(V, H, std=1.0)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = ctx.randn(q, H, std=H**-0.5)
-        t[p + "self_attn.k_proj.weight"] = ctx.randn(kv, H, std=H**-0.5)
-        t[p + "self_attn.v_proj.weight"] = ctx.randn(kv, H, std=H**-0.5)
-        t[p + "self_attn.o_proj.weight"] = ctx.randn(H, q, std=q**-0.5)
-        t[p + "mlp.gate_proj.weight"] = ctx.randn(I, H, std=H**-0.5)
-        t[p + "mlp.up_proj.weight"] = ctx.randn(I, H, std=H**-0.5)
-        t[p + "mlp.down_proj.weight"] = ctx.randn(H, I, std=I**-0.5)
+        t.update(attention_mlp_tensors(ctx, p, H, q, kv, I))
         t[p + "input_layernorm.weight"] = ctx.norm_weight(H)
         t[p + "input_layernorm_2.weight"] = ctx.norm_weight(H) * sandwich
         t[p + "post_attention_layernorm.weight"] = ctx.norm_weight(H)
