@@ -35,14 +35,19 @@ def _check_readout_depths(config, depth: int) -> None:
     parse_readout_depths(config, depth)
 
 
+def _checked_loop_config(model_config, required: tuple[str, ...], model_type: str, depth_field: str):
+    """Required keys present and a valid loop count: -> (hf_config, T)."""
+    raw = _raw_config(model_config)
+    if raw is not None:
+        check_required_keys(raw, required, model_type)
+    config = model_config.hf_config
+    return config, check_depth(depth_field, getattr(config, depth_field))
+
+
 class OuroVerify(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
-        raw = _raw_config(model_config)
-        if raw is not None:
-            check_required_keys(raw, ouro_cfg.REQUIRED_KEYS, "ouro")
-        config = model_config.hf_config
-        depth = check_depth("total_ut_steps", config.total_ut_steps)
+        config, depth = _checked_loop_config(model_config, ouro_cfg.REQUIRED_KEYS, "ouro", "total_ut_steps")
         step = getattr(config, "early_exit_step", None)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < depth):
             raise ValueError(f"early_exit_step={step!r} is invalid: allowed values 0..{depth - 1} or null")
@@ -55,11 +60,8 @@ class OuroVerify(VerifyAndUpdateConfig):
 class RavenVerify(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
-        raw = _raw_config(model_config)
-        if raw is not None:
-            check_required_keys(raw, raven_cfg.REQUIRED_KEYS, "huginn_raven")
-        config = model_config.hf_config
-        depth = check_depth("mean_recurrence", config.mean_recurrence)
+        config, depth = _checked_loop_config(
+            model_config, raven_cfg.REQUIRED_KEYS, "huginn_raven", "mean_recurrence")
         if config.state_init not in raven_cfg.STATE_INITS:
             raise ValueError(f"state_init={config.state_init!r} is invalid: allowed {', '.join(raven_cfg.STATE_INITS)}")
         raven_cfg.raven_layout(config)

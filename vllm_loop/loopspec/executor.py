@@ -123,22 +123,8 @@ class LaneBatchKV:
             raise ValueError(f"{n} query rows for {len(self.views)} lanes")
         if n == 1:
             return self.views[0].attend(bank, q, k, v, scale)
-        keys, values = [], []
-        for i, view in enumerate(self.views):
-            ks, vs = [], []
-            if bank in view.committed.k:
-                ks.append(view.committed.k[bank])
-                vs.append(view.committed.v[bank])
-            for anc in view.ancestors:
-                if bank not in anc:
-                    raise KeyError(f"ancestor lane has no KV for bank {bank}: it must run that step first")
-                ks.append(anc[bank][0])
-                vs.append(anc[bank][1])
-            ks.append(k[i : i + 1])
-            vs.append(v[i : i + 1])
-            view.own[bank] = (k[i : i + 1], v[i : i + 1])
-            keys.append(torch.cat(ks))
-            values.append(torch.cat(vs))
+        contexts = [view.context(bank, k[i : i + 1], v[i : i + 1]) for i, view in enumerate(self.views)]
+        keys, values = [c[0] for c in contexts], [c[1] for c in contexts]
         lengths = torch.tensor([t.shape[0] for t in keys])
         K = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [n, M, Hkv, d]
         Vv = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)

@@ -76,6 +76,12 @@ class LaneKV:
 
     def attend(self, bank: Bank, q, k, v, scale: float) -> torch.Tensor:
         assert q.shape[0] == 1, "a lane is one position"
+        keys, values = self.context(bank, k, v)
+        return attention(q, keys, values, scale, keys.shape[0] - 1)
+
+    def context(self, bank: Bank, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record this lane's ``k, v`` for ``bank`` and return the keys/values it attends to:
+        committed prefix, then ancestors (oldest first), then itself."""
         ks, vs = [], []
         if bank in self.committed.k:
             ks.append(self.committed.k[bank])
@@ -88,5 +94,4 @@ class LaneKV:
         ks.append(k)
         vs.append(v)
         self.own[bank] = (k, v)
-        keys, values = torch.cat(ks), torch.cat(vs)
-        return attention(q, keys, values, scale, keys.shape[0] - 1)
+        return torch.cat(ks), torch.cat(vs)
