@@ -9,10 +9,10 @@ t(64 new tokens)) / 512, median of 3, so prefill, the forced start/end tokens an
     python benchmarks/latent_inject_overhead.py --out results/latent-overhead.json      # GPU
     python benchmarks/latent_inject_overhead.py --out results/latent-overhead-cpu.json --small   # CPU
 
-Latent engines run with synchronous scheduling (the driver reads each request's output count);
-vanilla vLLM overlaps scheduling with the GPU (async scheduling) unless ``--sync-vanilla``. On the
-CPU both are synchronous, eager and fp32, so the ratio isolates the inject path and the driver;
-only the GPU gives absolute times.
+``--scheduling default`` leaves scheduling to vLLM for both engines (async scheduling on the GPU,
+synchronous on the CPU); ``sync`` turns async scheduling off for both; ``both`` measures the two
+pairs in one run. On the CPU both engines are eager and fp32, so the ratio isolates the inject
+path and the driver; only the GPU gives absolute times.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="a small shape (hidden 512, 8 layers) for the CPU")
-    ap.add_argument("--sync-vanilla", action="store_true", help="run vanilla with async scheduling off too")
+    ap.add_argument("--scheduling", choices=("default", "sync", "both"), default="default",
+                    help="default: vLLM decides (async on GPU); sync: async scheduling off for both engines")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc below
@@ -73,24 +74,28 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp()) / "coconut-llama"
     make_checkpoint("coconut", folder, weights=False, options={"base": "llama"}, **shape)
     result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "shape": "small" if args.small else
-              "Llama-3.2-1B", "dtype": shape["torch_dtype"], "sync_vanilla": args.sync_vanilla or not gpu}
+              "Llama-3.2-1B", "dtype": shape["torch_dtype"], "runs": []}
     engine = dict(load_format="dummy", dtype=shape["torch_dtype"], max_model_len=1024, seed=0)
     engine.update(gpu_memory_utilization=0.5) if gpu else engine.update(gpu_memory_utilization=0.25, enforce_eager=True)
-    for name, overrides, extra in (
-        ("vanilla LlamaForCausalLM", {"architectures": ["LlamaForCausalLM"]}, None),
-        ("CoconutLlamaForCausalLM, latent_budget=0", None, {"latent_budget": 0}),
-    ):
-        sync = {"async_scheduling": False} if (args.sync_vanilla and overrides) else {}
-        llm = LLM(str(folder), hf_overrides=overrides, **engine, **sync)
-        ms = decode_ms_per_token(llm, extra)
-        result[name] = {"decode_ms_per_token": round(ms, 4),
-                        "model": llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]}
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-    base = result["vanilla LlamaForCausalLM"]["decode_ms_per_token"]
-    latent = result["CoconutLlamaForCausalLM, latent_budget=0"]["decode_ms_per_token"]
-    result["overhead_percent"] = round(100 * (latent - base) / base, 2)
-    result["ratio_latent_over_vanilla"] = round(latent / base, 4)
+    modes = ("default", "sync") if args.scheduling == "both" else (args.scheduling,)
+    for mode in modes:
+        pair = {"scheduling": mode}
+        for key, overrides, extra in (("vanilla", {"architectures": ["LlamaForCausalLM"]}, None),
+                                      ("latent_budget_0", None, {"latent_budget": 0})):
+            llm = LLM(str(folder), hf_overrides=overrides, **engine,
+                      **({"async_scheduling": False} if mode == "sync" else {}))
+            pair[key] = {
+                "decode_ms_per_token": round(decode_ms_per_token(llm, extra), 4),
+                "model": llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0],
+                "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+            }
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        base, latent = pair["vanilla"]["decode_ms_per_token"], pair["latent_budget_0"]["decode_ms_per_token"]
+        pair["overhead_percent"] = round(100 * (latent - base) / base, 2)
+        pair["ratio_latent_over_vanilla"] = round(latent / base, 4)
+        print("PAIR " + json.dumps(pair), flush=True)
+        result["runs"].append(pair)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("RESULT " + json.dumps(result))

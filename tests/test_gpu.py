@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from vllm_loop.testing.engines import start_llm, stop_llm, worker_facts
+from vllm_loop.testing.engines import check_ouro_early_exit, start_llm, stop_llm, worker_facts
 from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on the H200)")
@@ -62,12 +62,27 @@ def test_ouro_parity_compiled_cuda_graphs(ckpt_factory):
         stop_llm(llm)
 
 
+def test_ouro_early_exit_compiled_cuda_graphs(ckpt_factory):
+    """``early_exit_threshold`` = 0.5 under compilation and CUDA graphs: each depth's state is kept
+    (the next loop's fused add + norm updates its input in place on the GPU); greedy == reference."""
+    path = ckpt_factory("ouro")
+    llm = start_llm(path, hf_overrides={"early_exit_threshold": 0.5})
+    try:
+        assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
+        depths = check_ouro_early_exit(llm, path, PROMPTS, max_tokens=32, threshold=0.5)
+    finally:
+        stop_llm(llm)
+    assert len(depths) > 1, depths
+    print(f"GPU Ouro early exit (threshold 0.5): 8 prompts x 32 tokens identical; depths used {sorted(depths)}")
+
+
 LATENT = {"coconut": ("coconut", {}), "codi-llama": ("codi", {"base": "llama"}), "lotus": ("lotus", {})}
 
 
 @pytest.mark.parametrize("name", list(LATENT))
 def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
-    """fp32, mixed budgets in one batch: compiled + CUDA graphs == eager == the reference."""
+    """fp32, mixed budgets in one batch: compiled + CUDA graphs with async scheduling (vLLM's GPU
+    default) == eager with synchronous scheduling == the reference."""
     import json
     from pathlib import Path
 
@@ -88,10 +103,12 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
               for _, b in batch]
     runs = {}
     for mode, eager in (("graphs", False), ("eager", True)):
-        llm = start_llm(path, enforce_eager=eager, max_model_len=256)
+        llm = start_llm(path, enforce_eager=eager, max_model_len=256, **({"async_scheduling": False} if eager else {}))
         try:
+            config = llm.llm_engine.vllm_config
+            assert config.scheduler_config.async_scheduling is (not eager)
             if not eager:
-                assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
+                assert config.compilation_config.cudagraph_mode.has_full_cudagraphs()
             runs[mode] = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p, _ in batch], params)]
         finally:
             stop_llm(llm)
@@ -99,4 +116,4 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
     for (p, b), got in zip(batch, runs["graphs"]):
         skip = spec.appended_tokens(b) if spec.kind == "feedback" else 0
         assert got[skip:] == ref.generate(p, latent_budget=b, max_new_tokens=16, ignore_eos=True)[0]
-    print(f"GPU latent {name}: {len(batch)} requests, CUDA graphs == eager == reference")
+    print(f"GPU latent {name}: {len(batch)} requests, CUDA graphs + async scheduling == eager + sync == reference")

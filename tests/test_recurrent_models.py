@@ -1,7 +1,8 @@
 """Recurrent-depth models through the real vLLM engine, checked against the plain-PyTorch reference.
 
 One engine per checkpoint (module-scoped, parametrized): Ouro, Huginn-0125, Raven-Llama, Raven-OLMo-2.
-Each engine records readouts at every depth (``readout_depths``), which needs eager mode.
+Each engine records readouts at every depth (``readout_depths``), which needs eager mode. One more
+engine checks Ouro's per-token depth selection (``early_exit_threshold``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_loop.testing.engines import kv_cache_layout, recorded_readouts, start_llm, stop_llm
+from vllm_loop.testing.engines import check_ouro_early_exit, kv_cache_layout, recorded_readouts, start_llm, stop_llm
 from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
 CHECKPOINTS = {
@@ -101,3 +102,15 @@ def test_kv_cache_has_one_bank_per_depth_and_layer(engine):
     assert kv["page_size_bytes"] == per_layer_bytes_per_token * kv["block_size"]
     bytes_per_token = kv["tensor_bytes"] / (kv["num_blocks"] * kv["block_size"])
     assert bytes_per_token == banks * per_layer_bytes_per_token
+
+
+@pytest.mark.engine
+def test_ouro_early_exit_threshold_matches_reference(ckpt_factory):
+    """``early_exit_threshold`` < 1: each token reads the first depth whose exit CDF reaches it."""
+    path = ckpt_factory("ouro")
+    llm = start_llm(path, hf_overrides={"early_exit_threshold": 0.5})
+    try:
+        depths = check_ouro_early_exit(llm, path, PROMPTS[:4], max_tokens=16, threshold=0.5)
+    finally:
+        stop_llm(llm)
+    assert len(depths) > 1, f"the exits must spread over several depths to test the selection, got {depths}"

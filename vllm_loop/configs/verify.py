@@ -84,11 +84,8 @@ class LatentVerify(VerifyAndUpdateConfig):
 
         spec = LatentSpec.from_config(vllm_config.model_config.hf_config)
         sched = vllm_config.scheduler_config
-        # The driver reads each request's outputs so far to decide what to force next; with async
-        # scheduling they lag one step behind.
-        if sched.async_scheduling:
-            raise ValueError("async_scheduling=True is not supported for latent-reasoning models; leave it unset")
-        sched.async_scheduling = False
+        # Async scheduling is fine: the driver reads only each request's output *count*, which the
+        # V1 runner keeps exact under async scheduling (it appends a placeholder per sampled token).
         if spec.kind == "looped":
             # A LOTUS block is re-forwarded in place within one step: its prefill must not be chunked.
             sched.enable_chunked_prefill = False

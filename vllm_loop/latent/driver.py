@@ -54,6 +54,7 @@ class LatentDriver:
         self.placeholder = placeholder_id  # recorded token at feedback latent positions
         self.requests: dict[str, LatentRequest] = {}
         self._mask_dirty = False
+        self._suppress: torch.Tensor | None = None  # suppress_token_ids on the logits' device
 
     # -- request lifecycle ------------------------------------------------------------------
     def track(self, req_id: str, extra_args: dict | None, num_prompt_tokens: int) -> LatentRequest:
@@ -115,7 +116,8 @@ class LatentDriver:
                 model.loop_passes = max(model.loop_passes, req.budget)
                 self._mask_dirty = True
         if inject_rows:
-            index = torch.tensor(inject_rows, device=model.latent_mask.device)
+            # non_blocking: a blocking host-to-device copy would stall async scheduling
+            index = torch.tensor(inject_rows).to(model.latent_mask.device, non_blocking=True)
             model.latent_mask[index] = True
             model.latent_embeds[index] = torch.stack(vectors).to(model.latent_embeds.dtype)
             self._mask_dirty = True
@@ -135,8 +137,14 @@ class LatentDriver:
                 req.ledger[next_pos] = model.latent_feedback(last.unsqueeze(0))[0].detach().clone()
 
     def adjust_logits(self, logits: torch.Tensor, rows: list[StepRow]) -> None:
-        """Force the latent phase's tokens; keep ``suppress_token_ids`` out of answers."""
-        suppress = list(self.spec.suppress_token_ids)
+        """Force the latent phase's tokens; keep ``suppress_token_ids`` out of answers.
+
+        Suppression is applied to every row (one kernel, no host sync); a forced row is then
+        overwritten whole, so a forced token may be one of the suppressed ones."""
+        if self.spec.suppress_token_ids:
+            if self._suppress is None or self._suppress.device != logits.device:
+                self._suppress = torch.tensor(self.spec.suppress_token_ids, device=logits.device)
+            logits.index_fill_(1, self._suppress, float("-inf"))
         for i, r in enumerate(rows):
             if not r.samples:
                 continue
@@ -144,5 +152,3 @@ class LatentDriver:
             if forced is not None:
                 logits[i].fill_(float("-inf"))
                 logits[i, forced] = 0.0
-            elif suppress:
-                logits[i, suppress] = float("-inf")

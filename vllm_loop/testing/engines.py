@@ -54,6 +54,27 @@ def stop_llm(llm) -> None:
         gc.collect()
 
 
+def check_ouro_early_exit(llm, path: str, prompts: list[str], max_tokens: int, threshold: float) -> set[int]:
+    """Greedy decoding of an engine started with ``early_exit_threshold=threshold`` must equal the
+    reference's; returns the depths the reference selected along the way (a test should see several)."""
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_loop.reference import load_reference
+
+    ref, tok = load_reference(path, early_exit_threshold=threshold), AutoTokenizer.from_pretrained(path)
+    ids = [tok(p).input_ids for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    depths: set[int] = set()
+    for prompt, out in zip(ids, outs):
+        got = list(out.outputs[0].token_ids)
+        assert got == ref.generate(prompt, max_tokens), f"early exit {threshold}: prompt {prompt[:6]}..."
+        depths |= set(ref.forward_with_exit(torch.tensor(prompt + got)).depths.tolist())
+    return depths
+
+
 # Functions run inside vLLM's worker process with ``llm.collective_rpc(fn)`` (``fn(worker)``).
 
 
