@@ -14,6 +14,10 @@ it beyond a list of ``StepRow`` (one per request in the batch). The request prot
   block arrives inside an ordinary prefill; the driver marks its rows and asks the model for
   ``budget`` extra in-place passes of that step (see ``models.py``).
 
+The driver reads only token *counts* from vLLM (computed, scheduled, output), never token values,
+so it works under async scheduling: the V1 runner counts a placeholder for each token still in
+flight. Nothing it does per step waits for the GPU.
+
 Latent requests never read the prefix cache (the front end sets ``skip_reading_prefix_cache``): a
 block cached by another request may hold KV of another budget or of an earlier pass.
 """
