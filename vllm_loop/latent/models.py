@@ -31,9 +31,11 @@ from vllm_loop.latent.spec import LatentSpec
 
 
 class LatentInjectMixin:
-    """Adds the inject buffers, the feedback hook and LOTUS's in-place passes to a vLLM causal LM."""
+    """Adds the inject buffers, the feedback hook and LOTUS's in-place passes to a vLLM causal LM.
+    Put it first in the bases: ``class X(LatentInjectMixin, LlamaForCausalLM)``."""
 
-    def _init_latent(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
         config = vllm_config.model_config.hf_config
         self.latent_spec = LatentSpec.from_config(config)
         rows = vllm_config.scheduler_config.max_num_batched_tokens
@@ -51,6 +53,10 @@ class LatentInjectMixin:
     def latent_feedback(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vector fed back at the next latent position (COCONUT: the hidden state itself)."""
         return hidden
+
+    def load_weights(self, weights):
+        # COCONUT / LOTUS training checkpoints wrap the HF model as ``base_causallm``.
+        return super().load_weights(_strip(weights, "base_causallm."))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         if inputs_embeds is None:
@@ -72,34 +78,23 @@ class LatentInjectMixin:
 
 
 def _strip(weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
-    """COCONUT / LOTUS training checkpoints wrap the HF model as ``base_causallm``."""
     for name, tensor in weights:
         yield (name[len(prefix):] if name.startswith(prefix) else name), tensor
 
 
 class CoconutGPT2LMHeadModel(LatentInjectMixin, GPT2LMHeadModel):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_latent(vllm_config)
-
-    def load_weights(self, weights):
-        return super().load_weights(_strip(weights, "base_causallm."))
+    pass
 
 
 class CoconutLlamaForCausalLM(LatentInjectMixin, LlamaForCausalLM):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_latent(vllm_config)
-
-    def load_weights(self, weights):
-        return super().load_weights(_strip(weights, "base_causallm."))
+    pass
 
 
-class LotusLlamaForCausalLM(CoconutLlamaForCausalLM):
+class LotusLlamaForCausalLM(LatentInjectMixin, LlamaForCausalLM):
     """LOTUS is a plain Llama with three added tokens; its behaviour is all in the driver."""
 
 
-class LotusGPT2LMHeadModel(CoconutGPT2LMHeadModel):
+class LotusGPT2LMHeadModel(LatentInjectMixin, GPT2LMHeadModel):
     pass
 
 
@@ -120,8 +115,8 @@ class CodiProjection(nn.Module):
 class CodiMixin(LatentInjectMixin):
     """CODI: LoRA folded into the base weights at load time, and ``prj`` as the feedback head."""
 
-    def _init_codi(self, vllm_config: VllmConfig) -> None:
-        self._init_latent(vllm_config)
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
         config = vllm_config.model_config.hf_config
         self.codi = dict(config.codi)
         self.prj = CodiProjection(config.hidden_size, int(self.codi["prj_dim"]), not self.codi.get("prj_no_ln"))
@@ -151,12 +146,8 @@ class CodiMixin(LatentInjectMixin):
 
 
 class CODIGPT2LMHeadModel(CodiMixin, GPT2LMHeadModel):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_codi(vllm_config)
+    pass
 
 
 class CODILlamaForCausalLM(CodiMixin, LlamaForCausalLM):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_codi(vllm_config)
+    pass
