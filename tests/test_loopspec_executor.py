@@ -14,15 +14,15 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency, chisquare
 
-import vllm_loop.loopspec.executor as executor_mod
+import vllm_loop.loopspec.pipeline as pipeline_mod
 from vllm_loop.loopspec.executor import GenerationRequest, PipelinedExecutor, baseline_generate
 from vllm_loop.loopspec.proposals import SamplingParams, filter_probs, sample_from, sample_token
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.testing.toy_looped import ToyLoopedLM
 from vllm_loop.loopspec.verify import CommitSource, Verdict
 from vllm_loop.reference import load_reference
+from vllm_loop.testing.distribution import chi2_gof, chi2_two_sample, exact_tree
 
 ALPHA = 1e-3  # significance level of the statistical tests
 
@@ -194,45 +194,6 @@ SAMPLING_CASES = {
 }
 
 
-def _exact_tree(model, prompt, params, n_tokens) -> tuple[dict[tuple, float], dict[tuple, torch.Tensor]]:
-    """Ordinary sampling's exact distribution of the first ``n_tokens`` tokens, by enumerating the
-    (top-k) tree: ({sequence: probability}, {prefix: next-token distribution})."""
-    dist, cond = {(): 1.0}, {}
-    for _ in range(n_tokens):
-        nxt = {}
-        for seq, pr in dist.items():
-            logits = model.forward_depths(torch.tensor(prompt + list(seq)))[model.depth][-1]
-            cond[seq] = probs = filter_probs(logits, params)
-            for tok in torch.nonzero(probs).flatten().tolist():
-                nxt[seq + (tok,)] = pr * float(probs[tok])
-        dist = nxt
-    return dist, cond
-
-
-def _chi2_gof(counts: Counter, exact: dict, n: int) -> float:
-    """Goodness of fit of observed sequence counts to exact probabilities (cells with expected
-    count < 5 pooled)."""
-    assert set(counts) <= set(exact), "a sequence of probability 0 was generated"
-    cells = sorted(exact, key=exact.get, reverse=True)
-    big = [c for c in cells if exact[c] * n >= 5]
-    small = [c for c in cells if exact[c] * n < 5]
-    obs = [counts[c] for c in big] + ([sum(counts[c] for c in small)] if small else [])
-    exp = [exact[c] * n for c in big] + ([sum(exact[c] for c in small) * n] if small else [])
-    return float(chisquare(obs, exp).pvalue)
-
-
-def _chi2_two_sample(a: Counter, b: Counter) -> float:
-    """Chi-square test of homogeneity of two samples of sequences (cells with < 10 draws pooled)."""
-    cells = sorted(set(a) | set(b), key=lambda c: -(a[c] + b[c]))
-    big = [c for c in cells if a[c] + b[c] >= 10]
-    rest = [c for c in cells if a[c] + b[c] < 10]
-    rows = [[a[c] for c in big], [b[c] for c in big]]
-    if rest:
-        rows[0].append(sum(a[c] for c in rest))
-        rows[1].append(sum(b[c] for c in rest))
-    return float(chi2_contingency(rows).pvalue)
-
-
 def _loopspec_samples(model, schedule, n: int, seed0: int = 0) -> tuple[Counter, object]:
     reqs = [GenerationRequest(PROMPT, N_TOKENS, sampling=PARAMS, seed=seed0 + i) for i in range(n)]
     out = PipelinedExecutor(model, schedule).generate(reqs)
@@ -250,7 +211,7 @@ def sampling_case(request, ckpt_factory):
     family, options, overrides, (R, d1, d2), n = SAMPLING_CASES[request.param]
     model = load_reference(ckpt_factory(family, options=options, **overrides))
     assert model.depth == R
-    exact, cond = _exact_tree(model, PROMPT, PARAMS, N_TOKENS)
+    exact, cond = exact_tree(model, PROMPT, PARAMS, N_TOKENS)
     g = torch.Generator().manual_seed(12345)
     for _ in range(3):
         seen = []
@@ -274,13 +235,13 @@ def sampling_case(request, ckpt_factory):
 def test_sampling_matches_ordinary_sampling(sampling_case):
     model, schedule, n, exact, ordinary = sampling_case
     assert sum(exact.values()) == pytest.approx(1.0)
-    assert _chi2_gof(ordinary, exact, n) > ALPHA  # the baseline sampler itself
+    assert chi2_gof(ordinary, exact, n) > ALPHA  # the baseline sampler itself
     counts, out = _loopspec_samples(model, schedule, n)
     st = out.stats
     # every branch of the cascade was exercised
     assert st.first > 0 and st.second > 0 and st.full > 0 and st.gate_opens > 0
-    assert _chi2_gof(counts, exact, n) > ALPHA
-    assert _chi2_two_sample(counts, ordinary) > ALPHA
+    assert chi2_gof(counts, exact, n) > ALPHA
+    assert chi2_two_sample(counts, ordinary) > ALPHA
 
 
 def test_broken_verifier_is_detected(sampling_case, monkeypatch):
@@ -290,7 +251,7 @@ def test_broken_verifier_is_detected(sampling_case, monkeypatch):
     def accept_always(p, first, second=None, rng=None):
         return Verdict(first.token, CommitSource.FIRST)
 
-    monkeypatch.setattr(executor_mod, "cascade_verify", accept_always)
+    monkeypatch.setattr(pipeline_mod, "cascade_verify", accept_always)
     counts, _ = _loopspec_samples(model, schedule, n)
-    assert _chi2_two_sample(counts, ordinary) < ALPHA
-    assert set(counts) - set(exact) or _chi2_gof(counts, exact, n) < ALPHA
+    assert chi2_two_sample(counts, ordinary) < ALPHA
+    assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA

@@ -140,9 +140,13 @@ def test_cli_on_tiny_ouro(ckpt_factory, prompt_file, tmp_path, capsys):
     args = [ckpt, "--prompts", str(prompt_file), "--max-new-tokens", "8", "--plot", str(png), "--json", str(js)]
     assert tune_main(args) == 0
     out = capsys.readouterr().out
-    assert "Theorem 2 optimum (R=4)" in out and "recommended LoopSpec schedule:" in out
+    assert "Theorem 2 optimum (R=4)" in out and "recommended LoopSpec schedule: vllm serve MODEL" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(js.read_text())
+    # the printed flag is what vLLM's front end accepts for this checkpoint
+    flag_json = out.split("--speculative-config '")[1].split("'")[0]
+    assert json.loads(flag_json) == {"method": "loopspec", "d1": data["best"]["d1"]} | (
+        {} if data["best"]["d2"] is None else {"d2": data["best"]["d2"]})
     assert data["R"] == 4 and data["profile"]["positions"] == 4 * 8
     assert data["beta"] > 0 and data["alpha"] > 0 and data["envelope_max_ratio"] >= 1
     assert (data["best"]["d1"], data["best"]["d2"]) in valid_schedules(4)

@@ -41,6 +41,7 @@ def install() -> None:
     install_latent_frontend()
     install_latent_runner()
     install_latent_config()
+    install_loopspec()
 
 
 # --- latent reasoning (COCONUT, CODI, LOTUS) ---------------------------------------------------
@@ -170,3 +171,116 @@ def install_latent_config() -> None:
 
     unsupported._vllm_loop = True
     VllmConfig._get_v2_model_runner_unsupported_features = unsupported
+
+
+# --- LoopSpec ----------------------------------------------------------------------------------------
+
+
+def install_loopspec() -> None:
+    install_loopspec_front_door()
+    install_loopspec_packed_kv()
+    install_loopspec_runner()
+
+
+def install_loopspec_front_door() -> None:
+    """``{"method": "loopspec", ...}`` is not a method vLLM's ``SpeculativeConfig`` accepts (a
+    validated Literal, unknown keys forbidden): translate it where ``EngineArgs`` builds that
+    config (process 0, before validation) into vLLM's ``custom_class`` method plus our knobs in
+    ``additional_config``, our scheduler and synchronous scheduling (``loopspec/config.py``)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        import os
+        import tempfile
+        import uuid
+
+        from vllm_loop.loopspec import config as loopspec_config
+        from vllm_loop.loopspec.scheduler import METRICS_ENV
+
+        if loopspec_config.is_loopspec(self.speculative_config):
+            spec, knobs = loopspec_config.translate(self.speculative_config, target_model_config)
+            if self.async_scheduling:
+                raise ValueError("speculative_config (loopspec) runs with synchronous scheduling: "
+                                 "remove --async-scheduling")
+            if self.scheduler_cls not in (None, loopspec_config.SCHEDULER):
+                raise ValueError(f"speculative_config (loopspec) needs its own scheduler; --scheduler-cls "
+                                 f"{self.scheduler_cls!r} cannot be combined with it")
+            self.speculative_config = spec
+            self.additional_config = {**(self.additional_config or {}), "loopspec": knobs}
+            self.scheduler_cls = loopspec_config.SCHEDULER
+            self.async_scheduling = False
+            # Where the engine core publishes LoopSpec counters for this front end's /metrics (an
+            # environment variable, not a config field: it must not change vLLM's compile-cache hash).
+            os.environ[METRICS_ENV] = os.path.join(tempfile.gettempdir(), f"vllm-loop-{uuid.uuid4().hex[:12]}")
+        return original(self, target_model_config, target_parallel_config)
+
+    create_speculative_config._vllm_loop = True
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def install_loopspec_packed_kv() -> None:
+    """Lanes of every depth read their banks through one view of the KV cache, which needs all
+    banks of a block in one allocation at a uniform page stride: vLLM's packed layout, which it
+    only chooses for a few model types (``_use_packed_kv_cache_config`` in the engine core's
+    ``kv_cache_utils``, looked up as a module global). Turn it on for LoopSpec deployments."""
+    from vllm.v1.core import kv_cache_utils
+
+    original = kv_cache_utils._use_packed_kv_cache_config
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def use_packed(vllm_config, kv_cache_groups):
+        from vllm_loop.loopspec.config import knobs
+
+        return original(vllm_config, kv_cache_groups) or (knobs(vllm_config) is not None and len(kv_cache_groups) == 1)
+
+    use_packed._vllm_loop = True
+    kv_cache_utils._use_packed_kv_cache_config = use_packed
+
+
+def _loopspec_runner(runner):
+    drafter = getattr(runner, "drafter", None)
+    return drafter if getattr(drafter, "loopspec", False) else None
+
+
+def install_loopspec_runner() -> None:
+    """Decode steps of LoopSpec requests run lanes (``loopspec/runner.py``) instead of vLLM's
+    forward: ``execute_model`` may return the step's output itself (the engine then skips
+    ``sample_tokens``); after vLLM's own steps the lanes follow the committed tokens."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+    if getattr(sample_tokens, "_vllm_loop", False):
+        return
+
+    def execute_model_hook(self, scheduler_output, *args, **kwargs):
+        lanes = _loopspec_runner(self)
+        if lanes is None:
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        out = lanes.execute_model(self, scheduler_output)
+        if out is not None:
+            out.loopspec = lanes.take_counters()
+            return out
+        out = execute_model(self, scheduler_output, *args, **kwargs)
+        # None: vLLM samples in sample_tokens next, where the lanes follow its tokens
+        self._vllm_loop_scheduled = scheduler_output if out is None else None
+        return out
+
+    def sample_tokens_hook(self, grammar_output):
+        out = sample_tokens(self, grammar_output)
+        lanes = _loopspec_runner(self)
+        scheduled = getattr(self, "_vllm_loop_scheduled", None)
+        if lanes is not None and scheduled is not None:
+            self._vllm_loop_scheduled = None
+            lanes.after_standard_step(self, scheduled, out)
+            out.loopspec = lanes.take_counters()
+        return out
+
+    for hook in (execute_model_hook, sample_tokens_hook):
+        hook._vllm_loop = True
+    GPUModelRunner.execute_model = execute_model_hook
+    GPUModelRunner.sample_tokens = sample_tokens_hook

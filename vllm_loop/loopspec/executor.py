@@ -29,25 +29,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from vllm_loop.loopspec.lanes import BranchTree, Lane, Proposed
+from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import LoopSpecStats, batch_size_summary, format_summary
-from vllm_loop.loopspec.proposals import (
-    SamplingParams,
-    filter_probs,
-    sample_from,
-    sample_token,
-    second_proposal,
-    total_variation,
-    uniform_source,
-)
+from vllm_loop.loopspec.pipeline import RequestPipeline, readout_values
+from vllm_loop.loopspec.proposals import SamplingParams, sample_token
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
-from vllm_loop.loopspec.verify import (
-    CommitSource,
-    Proposal,
-    cascade_verify,
-    cascade_verify_greedy,
-    double_rejection_probability,
-)
 from vllm_loop.reference.kv import LaneKV, SequenceKV
 
 
@@ -160,13 +146,12 @@ def _split_state(state, n: int) -> list:
 
 @dataclass(eq=False)
 class _Live:
-    """Executor-side state of one request."""
+    """Executor-side state of one request: its committed KV, its pipeline and its output."""
 
     index: int
     request: GenerationRequest
     committed: SequenceKV
-    tree: BranchTree
-    stats: LoopSpecStats
+    pipe: RequestPipeline
     rng: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -174,9 +159,6 @@ class _Live:
     @property
     def params(self) -> SamplingParams:
         return self.request.sampling
-
-    def uniform(self) -> float:
-        return uniform_source(self.rng)()
 
 
 class PipelinedExecutor:
@@ -220,14 +202,14 @@ class PipelinedExecutor:
             rng = None
             if not req.sampling.greedy:
                 rng = torch.Generator().manual_seed(req.seed if req.seed is not None else i)
-            live.append(_Live(i, req, SequenceKV(), BranchTree(), LoopSpecStats(sch.R, sch.d1, sch.d2, sch.gate), rng))
+            live.append(_Live(i, req, SequenceKV(), RequestPipeline(sch, req.sampling, rng), rng))
         prefills: dict[tuple[int, ...], tuple[SequenceKV, torch.Tensor]] = {}
         for st in live:
             self._prefill(st, prefills)
         effective_batch: list[int] = []
         while any(st.finish_reason is None for st in live):
             effective_batch.append(self._step([st for st in live if st.finish_reason is None]))
-        outputs = [RequestOutput(st.tokens, st.finish_reason, st.stats) for st in live]
+        outputs = [RequestOutput(st.tokens, st.finish_reason, st.pipe.stats) for st in live]
         merged = outputs[0].stats
         for o in outputs[1:]:
             merged = merged.merge(o.stats)
@@ -251,7 +233,7 @@ class PipelinedExecutor:
         token = sample_token(last, st.params, st.rng)
         if self._emit(st, token):
             return
-        lane = st.tree.start(token, len(st.request.prompt))
+        lane = st.pipe.start(token, len(st.request.prompt))
         self._run_pre([(st, lane)])
 
     def _emit(self, st: _Live, token: int) -> bool:
@@ -261,15 +243,17 @@ class PipelinedExecutor:
             st.finish_reason = "eos"
         elif len(st.tokens) >= st.request.max_new_tokens:
             st.finish_reason = "length"
-        if st.finish_reason is not None:
-            st.tree.clear()
-            return True
-        return False
+        return st.finish_reason is not None
+
+    def _is_final(self, st: _Live):
+        """``is_final`` for the pipeline: would committing this token end the request?"""
+        eos = st.request.eos_ids()
+        return lambda token: token in eos or len(st.tokens) + 1 >= st.request.max_new_tokens
 
     # -- one recurrent step ---------------------------------------------------------------------------------
     def _views(self, items: list[tuple[_Live, Lane]]) -> LaneBatchKV:
         return LaneBatchKV(
-            [LaneKV(st.committed, [a.kv for a in st.tree.ancestors(lane)], lane.kv) for st, lane in items]
+            [LaneKV(st.committed, [a.kv for a in st.pipe.tree.ancestors(lane)], lane.kv) for st, lane in items]
         )
 
     def _groups(self, items: list[tuple[_Live, Lane]], key) -> list[tuple[int, list[tuple[_Live, Lane]]]]:
@@ -295,22 +279,19 @@ class PipelinedExecutor:
 
     def _step(self, active: list[_Live]) -> int:
         sch = self.schedule
-        items = [(st, lane) for st in active for lane in st.tree.lanes]
+        items = [(st, lane) for st in active for lane in st.pipe.lanes]
         for st in active:
-            st.stats.recurrent_steps += 1
-            st.stats.lanes_per_step.append(len(st.tree))
-            if self.check_capacity and len(st.tree) > sch.max_lanes:
-                raise AssertionError(f"request {st.index}: {len(st.tree)} lanes exceed the bound {sch.max_lanes}")
+            if self.check_capacity and len(st.pipe.tree) > sch.max_lanes:
+                raise AssertionError(f"request {st.index}: {len(st.pipe.tree)} lanes exceed the bound {sch.max_lanes}")
         # 1. core step: depth t -> t+1 for every lane
         for t, group in self._groups(items, key=lambda it: it[1].depth):
             positions = torch.tensor([lane.position for _, lane in group])
             state = self.model.core_step(_cat_states([lane.state for _, lane in group]), t, positions, self._views(group))
             for (_, lane), s in zip(group, _split_state(state, len(group))):
                 lane.state, lane.depth = s, t + 1
-        # 2. readouts at d1, d2, R: greedy lanes keep the argmax, sampling lanes the filtered
-        #    distribution (computed for all rows sharing sampling parameters at once)
-        read: dict[int, int | torch.Tensor] = {}
-        readers = [it for it in items if it[1].depth in sch.readout_depths]
+        # 2. readouts at d1, d2, R (grouped by depth, then by sampling parameters)
+        read: dict[int, dict[int, object]] = defaultdict(dict)  # request index -> lane id -> value
+        readers = [(st, lane) for st in active for lane in st.pipe.readers()]
         for r, group in self._groups(readers, key=lambda it: it[1].depth):
             positions = torch.tensor([lane.position for _, lane in group])
             out = self.model.readout(_cat_states([lane.state for _, lane in group]), r, positions, self._views(group))
@@ -318,102 +299,29 @@ class PipelinedExecutor:
             for i, (st, _) in enumerate(group):
                 by_params[st.params].append(i)
             for params, rows in by_params.items():
-                logits = out[rows]
-                values = logits.argmax(-1).tolist() if params.greedy else list(filter_probs(logits, params))
-                for i, value in zip(rows, values):
-                    read[id(group[i][1])] = value
-        # 3. per request: proposals, then verification of the root
+                for i, value in zip(rows, readout_values(out[rows], params)):
+                    st, lane = group[i]
+                    read[st.index][lane.id] = value
+        # 3. per request: proposals, then verification of the root (the pipeline decides)
         spawned: list[tuple[_Live, Lane]] = []
         for st in active:
-            for lane in st.tree.lanes:
-                if lane.depth == sch.d1:
-                    spawned.append((st, self._first_proposal(st, lane, read[id(lane)])))
-                elif lane.depth == sch.d2:
-                    child = self._second_proposal(st, lane, read[id(lane)])
-                    if child is not None:
-                        spawned.append((st, child))
-            root = st.tree.root
-            if root is not None and root.depth == sch.R:
-                self._verify_and_commit(st, root, read[id(root)], spawned)
-        # 4. pre-layers for the new lanes that survived (children and restarts)
-        survivors = [(st, lane) for st, lane in spawned if lane.alive and st.finish_reason is None]
-        if survivors:
-            self._run_pre(survivors)
+            step = st.pipe.advance(read[st.index], self._is_final(st))
+            if step.commit is not None:
+                self._commit(st, step.commit.lane, step.commit.verdict.token)
+            spawned.extend((st, lane) for lane in step.spawned)
+        # 4. pre-layers for the new lanes (children and restarts)
+        if spawned:
+            self._run_pre(spawned)
         return len(items)
 
-    # -- proposals ------------------------------------------------------------------------------------------
-    # ``value`` is a readout: the argmax (greedy) or the filtered distribution (sampling).
-    def _first_proposal(self, st: _Live, lane: Lane, value) -> Lane:
-        if st.params.greedy:
-            x1, q1 = value, None
-        else:
-            q1 = value
-            x1 = sample_from(q1, st.uniform())
-        child = st.tree.spawn(lane, x1, CommitSource.FIRST)
-        lane.first = Proposed(x1, q1, child)
-        return child
-
-    def _second_proposal(self, st: _Live, lane: Lane, value) -> Lane | None:
-        x1, q1, _ = lane.first
-        st.stats.gate_evaluations += 1
-        if st.params.greedy:
-            top = value
-            lane.q2_tilde = top
-            if top == x1:  # gate closed (and the residual of equal one-hots is empty)
-                return None
-            x2, q2 = top, None
-        else:
-            q2_tilde = value
-            lane.q2_tilde = q2_tilde
-            q2 = second_proposal(q2_tilde, q1, x1, gate=self.schedule.gate)
-            if q2 is None:
-                return None
-            x2 = sample_from(q2, st.uniform())
-        st.stats.gate_opens += 1
-        st.stats.second_proposals += 1
-        child = st.tree.spawn(lane, x2, CommitSource.SECOND)
-        lane.second = Proposed(x2, q2, child)
-        return child
-
-    # -- verification and commit ----------------------------------------------------------------------------
-    def _verify_and_commit(self, st: _Live, root: Lane, value, spawned: list) -> None:
-        sch = self.schedule
-        x1, q1, _ = root.first
-        second = root.second
-        if st.params.greedy:
-            target = value
-            verdict = cascade_verify_greedy(target, x1, None if second is None else second.token)
-            st.stats.eps1_sum += float(x1 != target)
-            if sch.d2 is not None:
-                st.stats.eps2_sum += float(root.q2_tilde != target)
-            st.stats.exact_double_reject_sum += float(verdict.source == CommitSource.FULL)
-        else:
-            p = value
-            verdict = cascade_verify(
-                p,
-                Proposal(x1, q1),
-                None if second is None else Proposal(second.token, second.dist),
-                rng=st.uniform,
-            )
-            st.stats.eps1_sum += float(total_variation(q1, p))
-            if sch.d2 is not None:
-                st.stats.eps2_sum += float(total_variation(root.q2_tilde, p))
-            st.stats.exact_double_reject_sum += double_rejection_probability(
-                p, q1, root.q2_tilde if sch.d2 is not None else None, gate=sch.gate
-            )
-        st.stats.record_commit(verdict.source, had_second=second is not None)
-        committed, new_root = st.tree.commit(verdict.source)
-        for bank, (k, v) in committed.kv.items():
-            if st.committed.length(bank) != committed.position:
-                raise AssertionError(f"bank {bank}: committed length {st.committed.length(bank)} != {committed.position}")
+    def _commit(self, st: _Live, root: Lane, token: int) -> None:
+        """The root's position joins the committed KV; its verified token is emitted."""
+        for bank, (k, v) in root.kv.items():
+            if st.committed.length(bank) != root.position:
+                raise AssertionError(f"bank {bank}: committed length {st.committed.length(bank)} != {root.position}")
             st.committed.append(bank, k, v)
-        committed.kv, committed.state = {}, None
-        if new_root is not None and new_root.token != verdict.token:
-            raise AssertionError("kept child does not carry the committed token")
-        if self._emit(st, verdict.token):
-            return
-        if new_root is None:
-            spawned.append((st, st.tree.start(verdict.token, committed.position + 1)))
+        root.kv, root.state = {}, None
+        self._emit(st, token)
 
 
 @torch.no_grad()

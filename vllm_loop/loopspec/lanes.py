@@ -45,6 +45,7 @@ class Lane:
     q2_tilde: Any = None  # the d2 readout (for metrics / exact analysis), kept even if the gate closed
     state: Any = None  # executor payload (hidden state)
     kv: dict = field(default_factory=dict)  # executor payload: this lane's own KV per bank
+    slot: int | None = None  # engine payload: the storage slot of its hidden state and KV
     alive: bool = True
 
     def __repr__(self) -> str:
@@ -131,6 +132,21 @@ class BranchTree:
             keep.parent = None  # re-root: its parent is now part of the committed prefix
         self.root = keep
         return root, keep
+
+    def reroot(self, lane: Lane) -> list[Lane]:
+        """Positions up to ``lane``'s were committed outside the pipeline (an ordinary forward
+        verified the chain): ``lane`` becomes the root with its subtree, every other lane is
+        pruned. Returns the pruned lanes."""
+        if not lane.alive:
+            raise RuntimeError(f"cannot re-root at pruned {lane}")
+        kept = set(map(id, self.descendants(lane)))
+        pruned = [x for x in self._lanes if id(x) not in kept]
+        for x in pruned:
+            x.alive = False
+        self._lanes = [x for x in self._lanes if id(x) in kept]
+        lane.parent = None
+        self.root = lane
+        return pruned
 
     def clear(self) -> None:
         """Drop every lane (request finished or preempted)."""

@@ -170,3 +170,63 @@ def format_summary(summary: dict, effective_batch: dict | None = None) -> str:
     if per["steps"]:
         lines.append(f"lanes of one request per recurrent step: mean {per['mean']:.2f}, peak {per['peak']}")
     return "\n".join(lines)
+
+
+@dataclass
+class EngineCounters:
+    """LoopSpec counters of an engine, summed over requests (a step's delta, or running totals).
+
+    Lane steps (decode steps served by lanes) count recurrent steps, lanes and cascades. Steps in
+    which a prefill or a request the lanes cannot serve joins the batch run vLLM's ordinary forward,
+    which verifies the lanes' first-proposal chain as speculative drafts: those count in
+    ``chain_drafts`` / ``chain_accepted``.
+    """
+
+    lane_steps: int = 0  # engine steps served by lanes
+    recurrent_steps: int = 0  # recurrent steps run (each advances every live lane once)
+    lanes_advanced: int = 0  # sum over recurrent steps of the lanes advanced
+    request_steps: int = 0  # sum over recurrent steps of the requests advanced
+    first: int = 0  # commits whose first proposal was accepted
+    second: int = 0  # ... whose second proposal was accepted
+    full: int = 0  # ... sampled from the full-depth residual (pipeline restart)
+    first_verified: int = 0  # first proposals verified (commits that had one)
+    second_verified: int = 0  # second proposals verified
+    gate_evaluations: int = 0
+    gate_opens: int = 0
+    standard_steps: int = 0  # engine steps in which lane requests decoded on vLLM's ordinary forward
+    chain_rows: int = 0  # requests whose lane chain was verified there
+    chain_drafts: int = 0  # lane-chain tokens verified there as drafts
+    chain_accepted: int = 0
+
+    def add(self, other: EngineCounters) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def minus(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
+
+    @property
+    def commits(self) -> int:
+        return self.first + self.second + self.full
+
+    def summary(self, R: int) -> dict:
+        """Measured gamma (tokens a request commits per R recurrent steps), commit shares, gate-open
+        rate, lanes per recurrent step, requests per recurrent step."""
+        n = self.commits
+        return {
+            "gamma": R * n / self.request_steps if self.request_steps else 0.0,
+            "shares": commit_shares(n, self.first, self.second),
+            "gate_open_rate": self.gate_opens / self.gate_evaluations if self.gate_evaluations else 0.0,
+            "lanes_per_step": self.lanes_advanced / self.recurrent_steps if self.recurrent_steps else 0.0,
+            "requests_per_step": self.request_steps / self.recurrent_steps if self.recurrent_steps else 0.0,
+            "chain_acceptance": self.chain_accepted / self.chain_drafts if self.chain_drafts else 0.0,
+        }
+
+    def log_line(self, R: int) -> str:
+        s = self.summary(R)
+        return ("LoopSpec: gamma {gamma:.2f} (max {R}), commits first {f:.1%} second {s2:.1%} full {u:.1%}, "
+                "gate open {g:.1%}, lanes per recurrent step {l:.2f}, recurrent steps {rs}, lane steps {ls}, "
+                "prefill-joined steps {ss}").format(
+            gamma=s["gamma"], R=R, f=s["shares"]["first"], s2=s["shares"]["second"], u=s["shares"]["full"],
+            g=s["gate_open_rate"], l=s["lanes_per_step"], rs=self.recurrent_steps, ls=self.lane_steps,
+            ss=self.standard_steps)

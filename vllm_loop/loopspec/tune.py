@@ -285,16 +285,10 @@ def format_result(res: TuneResult) -> str:
         f, d1, d2 = min((cost_from_tv(d1, d2, tv, res.R), d1, d2) for _, d1, d2 in res.ranking)
         lines.append(f"with the measured TV in place of the envelope: d1={d1} d2={'-' if d2 is None else d2} f={f:.3f}")
     d1, d2 = res.best
-    cfg = {"method": "loopspec", "d1": d1} | ({} if d2 is None else {"d2": d2})
-    # The speculative-config form the vLLM integration will take (not wired into vLLM yet).
-    lines.append(f"recommended LoopSpec schedule: {_json(cfg)}")
+    from vllm_loop.loopspec.config import flag
+
+    lines.append(f"recommended LoopSpec schedule: vllm serve MODEL {flag(d1, d2)}")
     return "\n".join(lines)
-
-
-def _json(obj) -> str:
-    import json
-
-    return json.dumps(obj)
 
 
 def plot_fit(res: TuneResult, path) -> None:

@@ -8,7 +8,8 @@ applications of L weight layers get T·L cache layers, in one KV-cache group and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -20,6 +21,22 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+
+# LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call
+# the runner installs its lane attention here, and every ``bank`` argument is a tensor of per-row
+# bank indices instead of one int: ``attend(global_banks [n], q [n, Hq, D], k, v [n, Hkv, D], scale)``.
+_lane_attention: Callable | None = None
+
+
+@contextmanager
+def lane_attention(attend: Callable):
+    global _lane_attention
+    previous, _lane_attention = _lane_attention, attend
+    try:
+        yield
+    finally:
+        _lane_attention = previous
 
 
 def bank_prefix(bank: int) -> str:
@@ -83,15 +100,17 @@ class BankedAttention(nn.Module):
             is_neox_style=rope.get("is_neox_style", True),
             rope_parameters={k: v for k, v in rope.items() if k != "is_neox_style"},
         )
+        self.head_dim, self.scale = head_dim, head_dim**-0.5
         self.banks = nn.ModuleList(
             Attention(
-                self.num_heads, head_dim, head_dim**-0.5, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+                self.num_heads, head_dim, self.scale, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
                 quant_config=quant_config, prefix=bank_prefix(b),
             )
             for b in banks
         )
+        self.register_buffer("bank_ids", torch.tensor(list(banks), dtype=torch.long), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, bank: int) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, bank: int | torch.Tensor) -> torch.Tensor:
         qkv, _ = getattr(self, self.qkv_name)(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
@@ -100,7 +119,13 @@ class BankedAttention(nn.Module):
             q = q + self.qk_bias[0].reshape(-1)
             k = k + self.qk_bias[1].reshape(-1)  # Huginn is MHA: one k bias per query head
         q, k = self.rotary_emb(positions, q, k)
-        out, _ = getattr(self, self.out_name)(self.banks[bank](q, k, v))
+        if isinstance(bank, torch.Tensor):  # a LoopSpec lane call: each row reads its own bank
+            n, D = q.shape[0], self.head_dim
+            attn = _lane_attention(self.bank_ids[bank], q.view(n, -1, D), k.view(n, -1, D), v.view(n, -1, D),
+                                   self.scale).reshape(n, -1)
+        else:
+            attn = self.banks[bank](q, k, v)
+        out, _ = getattr(self, self.out_name)(attn)
         return out
 
 
@@ -182,3 +207,21 @@ class LoopedForCausalLM(nn.Module):
     def recorded_readouts(self) -> dict[int, torch.Tensor]:
         """Logits of every depth readout recorded in the last forward (``readout_depths``)."""
         return {r: self.compute_logits(h) for r, h in self.decoder.readouts.recorded.items()}
+
+    # -- LoopSpec lanes: one row per lane, each row at its own depth (vllm_loop/loopspec/runner.py) --------
+    # A lane's hidden state is one row of ``lane_state_width`` numbers; calls run under ``lane_attention``.
+    @property
+    def lane_state_width(self) -> int:
+        return self.decoder.lane_state_width
+
+    def lane_pre(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Depth-0 states of new lanes."""
+        return self.decoder.lane_pre(tokens, positions)
+
+    def lane_core(self, state: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """One core step for every row: depth ``depths[i]`` -> ``depths[i] + 1``."""
+        return self.decoder.lane_core(state, positions, depths)
+
+    def lane_logits(self, state: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """Logits of each row read out at its current depth (1..T)."""
+        return self.compute_logits(self.decoder.lane_readout(state, positions, depths))

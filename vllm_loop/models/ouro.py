@@ -90,12 +90,26 @@ class OuroModel(nn.Module):
     def pre(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def core_step(self, positions: torch.Tensor, h: torch.Tensor, t: int) -> torch.Tensor:
+    def core_step(self, positions: torch.Tensor, h: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, t)
         h, _ = self.norm(h, residual)
         return h
+
+    # LoopSpec lanes: the state is h itself; the final norm already ran, so a readout is the LM head.
+    @property
+    def lane_state_width(self) -> int:
+        return self.embed_tokens.embedding_dim
+
+    def lane_pre(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.pre(tokens)
+
+    def lane_core(self, state: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        return self.core_step(positions, state, depths)
+
+    def lane_readout(self, state: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        return state
 
     def exit_pdf(self, states: list[torch.Tensor]) -> torch.Tensor:
         """Per-token exit probabilities over depths, ``[T, n]``, from the gate on each depth's state."""

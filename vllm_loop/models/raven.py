@@ -26,6 +26,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 
 from vllm_loop.configs.raven import raven_embed_scale, raven_layout, raven_rope
 from vllm_loop.looped import BankLayout, check_depth, seeded_state
+from vllm_loop.loopspec.config import readout_depths as loopspec_readout_depths
 from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights
 from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
 
@@ -83,8 +84,16 @@ class RavenModel(nn.Module):
         readout_depths = parse_readout_depths(config, self.depth)
         self.readouts = ReadoutRecorder(readout_depths, vllm_config)
         P, C, D = config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda
-        coda_depths = (self.depth,) + tuple(r for r in readout_depths if r != self.depth)
+        # LoopSpec reads out at d1 and d2 too: their coda banks exist, and the ordinary forward fills them
+        # for every token (the lanes of later positions attend over them).
+        self.kv_readouts = tuple(r for r in loopspec_readout_depths(vllm_config) if r != self.depth)
+        extra = sorted(set(readout_depths) | set(self.kv_readouts))
+        coda_depths = (self.depth,) + tuple(r for r in extra if r != self.depth)
         self.layout = BankLayout(prelude=P, core=C, coda=D, depth=self.depth, coda_depths=coda_depths)
+        coda_index = torch.full((self.depth + 1,), -1, dtype=torch.long)
+        for k, r in enumerate(coda_depths):
+            coda_index[r] = k
+        self.register_buffer("coda_index", coda_index, persistent=False)  # readout depth -> coda bank set
         H = config.n_embd
         self.embed_scale = raven_embed_scale(config, self.block_layout)
         self.state_std = float(config.init_values["std"])
@@ -112,11 +121,11 @@ class RavenModel(nn.Module):
         return self.wte
 
     # The three pieces of a looped model (see vllm_loop/looped.py).
-    def pre(self, positions: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pre(self, positions: torch.Tensor, embeds: torch.Tensor, bank: int | torch.Tensor = 0):
         """-> (initial state, prelude output that every core step re-injects)."""
         e = embeds * self.embed_scale
         for l, blk in enumerate(self.prelude):
-            e = blk(positions, e, 0)
+            e = blk(positions, e, bank)
         return self.initial_state(positions, e), e
 
     def initial_state(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -132,20 +141,37 @@ class RavenModel(nn.Module):
             x = x.clamp(-3 * std, 3 * std)
         return (x * self.embed_scale).to(like.dtype)
 
-    def core_step(self, positions: torch.Tensor, x: torch.Tensor, inject: torch.Tensor, t: int) -> torch.Tensor:
+    def core_step(self, positions: torch.Tensor, x: torch.Tensor, inject: torch.Tensor, t: int | torch.Tensor):
         x, _ = self.adapter(torch.cat([x, inject], dim=-1))
         for blk in self.core_block:
             x = blk(positions, x, t)
         return x
 
-    def post(self, positions: torch.Tensor, x: torch.Tensor, r: int) -> torch.Tensor:
-        """Readout at depth r up to the LM head: [ln_f (Huginn)] -> coda (depth-r banks) -> ln_f."""
+    def post(self, positions: torch.Tensor, x: torch.Tensor, r: int | torch.Tensor) -> torch.Tensor:
+        """Readout at depth r up to the LM head: [ln_f (Huginn)] -> coda (depth-r banks) -> ln_f.
+        ``r``: one depth, or one per row (lanes)."""
         if self.block_layout == "huginn":
             x = self.ln_f(x)
-        k = self.layout.coda_depths.index(r)
+        k = self.coda_index[r] if isinstance(r, torch.Tensor) else self.layout.coda_depths.index(r)
         for blk in self.coda:
             x = blk(positions, x, k)
         return self.ln_f(x)
+
+    # LoopSpec lanes: the state is [x | inject] (the prelude output travels with the lane).
+    @property
+    def lane_state_width(self) -> int:
+        return 2 * self.config.n_embd
+
+    def lane_pre(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, inject = self.pre(positions, self.wte(tokens), torch.zeros_like(positions))
+        return torch.cat([x, inject], dim=-1)
+
+    def lane_core(self, state: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        x, inject = state.chunk(2, dim=-1)
+        return torch.cat([self.core_step(positions, x, inject, depths), inject], dim=-1)
+
+    def lane_readout(self, state: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        return self.post(positions, state.chunk(2, dim=-1)[0], depths)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         embeds = inputs_embeds if inputs_embeds is not None else self.wte(input_ids)
@@ -154,6 +180,8 @@ class RavenModel(nn.Module):
             x = self.core_step(positions, x, inject, t)
             if self.readouts.wants(t + 1) and t + 1 != self.depth:
                 self.readouts.record(t + 1, self.post(positions, x, t + 1))
+            elif t + 1 in self.kv_readouts:
+                self.post(positions, x, t + 1)  # only for its coda KV (LoopSpec lanes read it)
         out = self.post(positions, x, self.depth)
         if self.readouts.wants(self.depth):
             self.readouts.record(self.depth, out)

@@ -165,3 +165,70 @@ class Server:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+# -- driving an engine step by step (requests arriving while others decode, aborts) ------------------------
+class Job:
+    """One request of a scripted run: submitted before engine step ``at``, aborted before step ``abort_at``."""
+
+    def __init__(self, request_id: str, prompt: list[int], params, at: int = 0, abort_at: int | None = None):
+        self.request_id, self.prompt, self.params, self.at, self.abort_at = request_id, prompt, params, at, abort_at
+
+
+def greedy_jobs(seed: int = 0, n: int = 16, vocab: int = 400, aborts: int = 0) -> list[Job]:
+    """``n`` greedy requests: prompts of 1..40 tokens (every fourth starts with the same 20 tokens, for
+    the prefix cache), 4..40 new tokens, submitted over the first 30 engine steps; ``aborts`` of them are
+    aborted a few steps after they arrive."""
+    import random
+
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, vocab) for _ in range(20)]
+    jobs = []
+    for i in range(n):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 40))]
+        if i % 4 == 3:
+            prompt = shared + prompt
+        params = SamplingParams(max_tokens=rng.randrange(4, 40), temperature=0.0, ignore_eos=True)
+        at = rng.randrange(0, 30)
+        jobs.append(Job(f"r{i}", prompt, params, at=at, abort_at=at + rng.randrange(3, 10) if i < aborts else None))
+    return jobs
+
+
+def run_jobs(llm, jobs: list[Job], max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step ``llm``'s engine, submitting and aborting jobs on schedule; -> request id -> output tokens
+    (aborted requests: what they had produced)."""
+    engine = llm.llm_engine
+    tokens: dict[str, list[int]] = {}
+    pending = sorted(jobs, key=lambda j: j.at)
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].at <= step:
+            job = pending.pop(0)
+            engine.add_request(job.request_id, {"prompt_token_ids": job.prompt}, job.params)
+            tokens[job.request_id] = []
+        aborts = [j.request_id for j in jobs if j.abort_at == step and j.request_id in tokens]
+        if aborts:
+            engine.abort_request(aborts)
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        if step > max_steps:
+            raise RuntimeError(f"engine did not finish in {max_steps} steps")
+    return tokens
+
+
+def engine_core(llm):
+    """The in-process engine core (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = llm.llm_engine.engine_core
+    return getattr(core, "engine_core", core)
+
+
+def free_kv_blocks(llm) -> int:
+    return engine_core(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def lane_census(worker) -> dict:
+    """Live LoopSpec requests, lanes and free lane slots of a worker (``collective_rpc``)."""
+    return worker.model_runner.drafter.lane_census()

@@ -1,0 +1,172 @@
+"""Decode speed with LoopSpec on vs off, side by side in one run, with the acceptance measured.
+
+One checkpoint (factory-made, real tensors: ``--agreement`` makes early depths agree with the final
+one, so proposals get accepted; 0 = random weights), one engine per system, each in its own
+subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
+
+* ``vanilla``  -- this plugin's model, ordinary decoding;
+* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``;
+* ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
+
+For each concurrency c: c requests with 32-token prompts, greedy, ``ignore_eos``; the decode rate is
+c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
+``--runs``. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
+commits per R recurrent steps), the commit shares and the lanes per recurrent step. Every ratio is
+taken against ``vanilla`` from the same run.
+
+    python benchmarks/loopspec_speed.py --shape ouro-1.4b --agreement 0.005 --concurrency 1 4 \\
+        --out benchmarks/results/loopspec-speed-ouro-1.4b-h200.json
+    python benchmarks/loopspec_speed.py --shape tiny-ouro --concurrency 1 4 --out /tmp/speed.json   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {  # name -> (family, options, config overrides, default speculative config)
+    "ouro-1.4b": ("ouro", {"remote_code": "true"}, dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=128, vocab_size=49152, max_position_embeddings=65536,
+        total_ut_steps=4, torch_dtype="bfloat16"), {"method": "loopspec", "d1": 1, "d2": 2}),
+    "tiny-ouro": ("ouro", {"remote_code": "true"}, {}, {"method": "loopspec", "d1": 1, "d2": 2}),
+    "tiny-raven": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 32},
+                   {"method": "loopspec", "d1": 2, "d2": 8}),
+}
+PROMPT_LEN, SHORT, LONG = 32, 64, 576
+
+
+def _prompts(n: int, vocab: int) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(PROMPT_LEN)]} for i in range(n)]
+
+
+def worker(args) -> dict:
+    """One system: start its engine, measure every concurrency, print one JSON line."""
+    if args.worker == "in-tree":
+        os.environ["VLLM_PLUGINS"] = "none"  # no general plugin: vLLM's own OuroForCausalLM
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.concurrency), seed=0,
+              enforce_eager=args.eager or not gpu, trust_remote_code=args.worker == "in-tree")
+    kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
+    if args.worker == "loopspec":
+        kw["speculative_config"] = json.loads(args.spec)
+    t0 = time.time()
+    llm = LLM(args.checkpoint, **kw)
+    startup = time.time() - t0
+    engine_totals = None
+    if args.worker == "loopspec":
+        from vllm_loop.loopspec.stat_logger import engine_totals
+
+    def run(n: int, out_len: int) -> tuple[float, list[list[int]]]:
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0, detokenize=False)
+        t = time.perf_counter()
+        outs = llm.generate(_prompts(n, cfg["vocab_size"]), sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
+        return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+    run(1, 16), run(max(args.concurrency), 16)  # warm-up
+    rows = []
+    for c in args.concurrency:
+        shorts = [run(c, SHORT)[0] for _ in range(args.runs)]
+        before = engine_totals() if engine_totals else None
+        longs, tokens = [], None
+        for _ in range(args.runs):
+            dt, tokens = run(c, LONG)
+            longs.append(dt)
+        row = {"concurrency": c, "t_short_s": statistics.median(shorts), "t_long_s": statistics.median(longs),
+               "tok_s": c * (LONG - SHORT) / (statistics.median(longs) - statistics.median(shorts)), "tokens": tokens}
+        row["ms_per_token_per_request"] = 1000 * c / row["tok_s"]
+        if before is not None:
+            delta = engine_totals().minus(before)
+            row["loopspec"] = delta.summary(R) | {"counters": vars(delta)}
+        rows.append(row)
+    return {"system": args.worker, "startup_s": round(startup, 1), "rows": rows,
+            "model_module": llm.llm_engine.vllm_config.model_config.architecture,
+            "device": torch.cuda.get_device_name() if gpu else "cpu"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="ouro-1.4b")
+    ap.add_argument("--agreement", default="0.005", help="factory agreement option (0: random weights)")
+    ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
+    ap.add_argument("--systems", default="vanilla,loopspec", help="comma-separated: vanilla, loopspec, in-tree")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager for every system")
+    ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    family, options, overrides, spec = SHAPES[args.shape]
+    args.spec = args.spec or json.dumps(spec)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+
+    if args.checkpoint is None:
+        from vllm_loop.testing.checkpoints import make_checkpoint
+
+        folder = Path(tempfile.mkdtemp()) / args.shape
+        opts = dict(options) | ({"agreement": args.agreement} if float(args.agreement) > 0 else {})
+        t0 = time.time()
+        make_checkpoint(family, folder, options=opts, **overrides)
+        print(f"checkpoint {folder} written in {time.time() - t0:.0f} s", flush=True)
+        args.checkpoint = str(folder)
+    results = {}
+    for system in args.systems.split(","):
+        cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
+               "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
+               "--concurrency", *map(str, args.concurrency)] + (["--eager"] if args.eager else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+            raise SystemExit(f"{system}: the benchmark worker failed (exit {proc.returncode})")
+        results[system] = json.loads(line[len("RESULT "):])
+    base = {r["concurrency"]: r for r in results["vanilla"]["rows"]} if "vanilla" in results else {}
+    table = []
+    for system, res in results.items():
+        for r in res["rows"]:
+            row = {"system": system, "concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1),
+                   "ms_per_token_per_request": round(r["ms_per_token_per_request"], 3)}
+            if r["concurrency"] in base:
+                b = base[r["concurrency"]]
+                row["speedup_vs_vanilla"] = round(r["tok_s"] / b["tok_s"], 3)
+                same = sum(x == y for x, y in zip(r["tokens"], b["tokens"]))
+                row["same_tokens_as_vanilla"] = f"{same}/{len(b['tokens'])} requests"
+            if "loopspec" in r:
+                ls = r["loopspec"]
+                row |= {"gamma": round(ls["gamma"], 3), "first": round(ls["shares"]["first"], 3),
+                        "second": round(ls["shares"]["second"], 3), "full": round(ls["shares"]["full"], 3),
+                        "lanes_per_step": round(ls["lanes_per_step"], 2)}
+            table.append(row)
+    for res in results.values():
+        for r in res["rows"]:
+            r.pop("tokens")
+    out = {"shape": args.shape, "agreement": float(args.agreement), "spec": json.loads(args.spec),
+           "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
+           "systems": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    for row in table:
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The LoopSpec front door: ``speculative_config={"method": "loopspec", ...}`` on vLLM's own config path.
+
+Every check runs vLLM's ``EngineArgs.create_engine_config`` (what ``LLM(...)`` and ``vllm serve`` do
+in the front end, before any engine process starts): good configs become vLLM's ``custom_class``
+method with our knobs in ``additional_config``; bad ones fail there with a message naming the key
+and the rule.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_loop.loopspec.config import build_schedule, default_depths, flag
+
+
+def _config(path: str, spec, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=path, speculative_config=spec, dtype="float32", max_model_len=256,
+                      enforce_eager=True, **kw)
+    return args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "family, R, expected",
+    [("ouro", 4, (1, 2)), ("raven", 32, (2, 8)), ("raven", 8, (1, 2)), ("raven", 16, (1, 4)), ("raven", 64, (4, 16)),
+     ("raven", 3, (1, 2)), ("raven", 2, (1, None)), ("ouro", 2, (1, None))],
+)
+def test_family_defaults(family, R, expected):
+    assert default_depths(family, R) == expected
+    schedule, max_lanes = build_schedule({"method": "loopspec"}, family, R)  # always a valid schedule
+    assert (schedule.d1, schedule.d2) == expected and 1 <= max_lanes <= 64
+
+
+def test_flag_is_what_vllm_serve_takes():
+    assert flag(2, 8) == """--speculative-config '{"method": "loopspec", "d1": 2, "d2": 8}'"""
+    assert flag(1, None, gate=False) == """--speculative-config '{"method": "loopspec", "d1": 1, "gate": false}'"""
+
+
+def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
+    cfg = _config(ckpt_factory("ouro"), {"method": "loopspec"})
+    spec = cfg.speculative_config
+    assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
+    assert spec.num_speculative_tokens == 4  # ceil(R / d1)
+    assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7}
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
+
+
+def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
+    path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"})
+    cfg = _config(path, {"method": "loopspec", "d1": 2, "d2": 8, "gate": False},
+                  hf_overrides={"mean_recurrence": 32})
+    assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64}
+    assert cfg.speculative_config.num_speculative_tokens == 16
+
+
+BAD = [
+    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes"),
+    ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
+    ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
+    ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
+    ({"method": "loopspec", "d1": 4}, "d1=4 is invalid: d1 must be < R"),
+    ({"method": "loopspec", "d1": "1"}, "d1='1' is invalid: d1 must be an integer"),
+    ({"method": "loopspec", "d1": 1.5}, "d1=1.5 is invalid: d1 must be an integer"),
+    ({"method": "loopspec", "d1": 1, "d2": True}, "d2=True is invalid: d2 must be an integer"),
+    ({"method": "loopspec", "d2": 2}, "d2 needs d1"),
+    ({"method": "loopspec", "gate": "yes"}, "gate='yes' is invalid: gate must be true or false"),
+    ({"method": "loopspec", "max_lanes": 0}, "max_lanes=0 is invalid: max_lanes must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("spec, message", BAD, ids=[m.split(" is")[0].split(";")[0][:24] for _, m in BAD])
+def test_bad_config_names_the_key_and_the_rule(ckpt_factory, spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _config(ckpt_factory("ouro"), spec)
+
+
+def test_loopspec_needs_a_looped_model(ckpt_factory):
+    with pytest.raises(ValueError, match="needs a looped model .* this model is LlamaForCausalLM, which does not loop"):
+        _config(ckpt_factory("llama"), {"method": "loopspec"})
+
+
+def test_loopspec_refuses_early_exit_and_async_scheduling(ckpt_factory):
+    path = ckpt_factory("ouro")
+    with pytest.raises(ValueError, match="verifies every token at full depth R"):
+        _config(path, {"method": "loopspec"}, hf_overrides={"early_exit_threshold": 0.5})
+    with pytest.raises(ValueError, match="synchronous scheduling: remove --async-scheduling"):
+        _config(path, {"method": "loopspec"}, async_scheduling=True)
+
+
+@pytest.mark.engine
+def test_vllm_serve_refuses_a_bad_loopspec_config(ckpt_factory, tmp_path):
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    proc = subprocess.run(
+        [vllm, "serve", ckpt_factory("ouro"), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+         "--speculative-config", '{"method": "loopspec", "d1": 1, "d2": 4}'],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "d2=4 is invalid: d2 must be < R (R=4)" in proc.stdout + proc.stderr

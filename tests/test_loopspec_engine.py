@@ -1,0 +1,284 @@
+"""LoopSpec inside the real vLLM engine (CPU), against LoopSpec off and the reference.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the tests read the scheduler's
+free KV blocks, the runner's lane census, and plug a broken verifier into the engine's own path.
+
+* greedy: 16 requests of different prompt and output lengths, arriving while others decode, some
+  sharing a prompt prefix; LoopSpec on == LoopSpec off == the reference, token for token, for tiny
+  Ouro (R=4: 1 and 1:2) and tiny Raven (R=8: 2:4; R=32: 2:8 and 4:8), random and agreement-controlled,
+  with prefix caching, with it off, and with chunked prefill forced;
+* sampling (temperature 1 with top-k 3, and with top-p 0.7): the distribution of whole sequences
+  matches LoopSpec-off sampling and the exact distribution; a broken verifier fails the same tests;
+* aborts and a KV cache small enough to preempt: the others' outputs are unchanged, every KV block
+  and lane slot comes back;
+* requests the lanes cannot serve (logprobs, penalties, min_tokens, ...) decode on vLLM's path in
+  the same engine, next to lane requests, with the outputs vanilla vLLM gives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+from vllm_loop.testing.engines import free_kv_blocks, greedy_jobs, lane_census, run_jobs, start_llm, stop_llm
+
+ALPHA = 1e-3
+KV_BYTES = 2**28
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_engines():
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _engine(path, spec=None, **kw):
+    kw.setdefault("kv_cache_memory_bytes", KV_BYTES)
+    kw.setdefault("disable_log_stats", False)
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return start_llm(path, **kw)
+
+
+def _metric(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
+
+
+def _totals(llm) -> dict:
+    return dict(llm.collective_rpc(lambda w: vars(w.model_runner.drafter.totals))[0])
+
+
+# -- greedy: LoopSpec on == LoopSpec off == the reference -------------------------------------------------------
+CHECKPOINTS = {  # name -> (family, options, config overrides)
+    "ouro": ("ouro", {}, {}),
+    "ouro-agree": ("ouro", {"agreement": "0.005"}, {}),
+    "raven-llama-R8": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 8}),
+    "raven-olmo2-R32": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
+                        {"mean_recurrence": 32}),
+    "huginn-R32": ("huginn_raven", {"layout": "huginn", "state_init": "seeded"}, {"mean_recurrence": 32}),
+}
+# (checkpoint, speculative config, engine options)
+GREEDY_CASES = {
+    "ouro-1": ("ouro", {"method": "loopspec", "d1": 1}, {}),
+    "ouro-1:2": ("ouro", {"method": "loopspec", "d1": 1, "d2": 2}, {}),
+    "ouro-agree-1:2": ("ouro-agree", {"method": "loopspec", "d1": 1, "d2": 2}, {}),
+    "ouro-1:2-chunked": ("ouro", {"method": "loopspec"}, {"max_num_batched_tokens": 16}),
+    "raven-R8-2:4": ("raven-llama-R8", {"method": "loopspec", "d1": 2, "d2": 4}, {}),
+    "raven-R8-2:4-no-prefix-cache": ("raven-llama-R8", {"method": "loopspec", "d1": 2, "d2": 4},
+                                     {"enable_prefix_caching": False}),
+    "raven-R32-2:8": ("raven-olmo2-R32", {"method": "loopspec", "d1": 2, "d2": 8}, {}),
+    "raven-R32-4:8-chunked": ("raven-olmo2-R32", {"method": "loopspec", "d1": 4, "d2": 8},
+                              {"max_num_batched_tokens": 16}),
+    "huginn-R32-2:8": ("huginn-R32", {"method": "loopspec", "d1": 2, "d2": 8}, {}),
+}
+ENGINE = dict(block_size=16, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(ckpt_factory):
+    """Per checkpoint: its path, and LoopSpec-off outputs of the jobs (one vanilla engine each)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            family, options, overrides = CHECKPOINTS[name]
+            path = ckpt_factory(family, options=options, **overrides)
+            llm = _engine(path, **ENGINE)
+            try:
+                cache[name] = (path, run_jobs(llm, greedy_jobs()))
+            finally:
+                stop_llm(llm)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(GREEDY_CASES))
+def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_reference):
+    from vllm_loop.reference import load_reference
+
+    name, spec, options = GREEDY_CASES[case]
+    path, vanilla = greedy_reference(name)
+    llm = _engine(path, spec, **ENGINE, **options)
+    try:
+        free_before = free_kv_blocks(llm)
+        got = run_jobs(llm, greedy_jobs())
+        totals = _totals(llm)
+        hits = _metric(llm, "vllm:prefix_cache_hits")
+        assert free_kv_blocks(llm) == free_before
+        census = llm.collective_rpc(lane_census)[0]
+    finally:
+        stop_llm(llm)
+    ref = load_reference(path)
+    for job in greedy_jobs():
+        assert got[job.request_id] == vanilla[job.request_id], f"{case}: {job.request_id} LoopSpec on != off"
+        want = ref.greedy_generate(job.prompt, job.params.max_tokens)
+        assert got[job.request_id] == want, f"{case}: {job.request_id} != reference"
+    # the lanes did the decoding, and requests joined while others were decoding
+    assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["full"] > 100
+    assert totals["standard_steps"] > 0, "no prefill joined running lane requests"
+    assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
+    if spec.get("d2") and "agree" not in case:
+        assert totals["second_verified"] > 0
+    if options.get("enable_prefix_caching", True):
+        assert hits > 0, "the shared prefixes must hit the prefix cache"
+
+
+# -- sampling: the distribution through the engine --------------------------------------------------------------
+PROMPT = [3, 14, 15]
+N_TOKENS = 3
+SAMPLING_CASES = {  # name -> (lane sampling params as dict, samples)
+    "top-k": (dict(temperature=1.0, top_k=3), 1280),
+    "top-p": (dict(temperature=1.0, top_p=0.7), 1280),
+}
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(ckpt_factory):
+    from vllm_loop.loopspec.proposals import SamplingParams as LaneParams
+    from vllm_loop.reference import load_reference
+    from vllm_loop.testing.distribution import exact_tree
+
+    path = ckpt_factory("ouro", options={"agreement": "0.1"})
+    ref = load_reference(path)
+    exact = {name: exact_tree(ref, PROMPT, LaneParams(**p), N_TOKENS)[0] for name, (p, _) in SAMPLING_CASES.items()}
+    for name, dist in exact.items():
+        assert 5 <= len(dist) <= 200, f"{name}: {len(dist)} sequences: the test needs a small support"
+    vanilla = _engine(path, max_num_seqs=64)
+    try:
+        ordinary = {name: _samples(vanilla, p, n, seed0=10**6) for name, (p, n) in SAMPLING_CASES.items()}
+    finally:
+        stop_llm(vanilla)
+    llm = _engine(path, {"method": "loopspec", "d1": 1, "d2": 2}, max_num_seqs=64)
+    yield {"llm": llm, "exact": exact, "ordinary": ordinary}
+    stop_llm(llm)
+
+
+def _samples(llm, params: dict, n: int, seed0: int = 0) -> Counter:
+    """``n`` seeded samples of the first tokens, in waves of 64 (a wave's decode steps are lane steps)."""
+    from vllm import SamplingParams
+
+    counts = Counter()
+    for w in range(0, n, 64):
+        sps = [SamplingParams(max_tokens=N_TOKENS, seed=seed0 + i, ignore_eos=True, **params) for i in range(w, w + 64)]
+        outs = llm.generate([{"prompt_token_ids": PROMPT}] * len(sps), sps, use_tqdm=False)
+        counts.update(tuple(o.outputs[0].token_ids) for o in outs)
+    return counts
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+def test_sampling_distribution_matches_vanilla(sampling_setup, name):
+    from vllm_loop.testing.distribution import chi2_gof, chi2_two_sample
+
+    llm, exact, ordinary = sampling_setup["llm"], sampling_setup["exact"][name], sampling_setup["ordinary"][name]
+    params, n = SAMPLING_CASES[name]
+    before = _totals(llm)
+    counts = _samples(llm, params, n)
+    after = _totals(llm)
+    assert chi2_gof(ordinary, exact, n) > ALPHA  # vLLM's own sampling, the baseline
+    assert chi2_gof(counts, exact, n) > ALPHA
+    assert chi2_two_sample(counts, ordinary) > ALPHA
+    for source in ("first", "second", "full"):  # every branch of the cascade ran in the engine
+        assert after[source] > before[source], source
+
+
+@pytest.mark.engine
+def test_broken_verifier_fails_the_same_test(sampling_setup, monkeypatch):
+    """Accepting the first proposal without the ratio test samples tokens 2..3 from p_d1."""
+    import vllm_loop.loopspec.pipeline as pipeline_mod
+    from vllm_loop.loopspec.verify import CommitSource, Verdict
+    from vllm_loop.testing.distribution import chi2_gof, chi2_two_sample
+
+    def accept_always(p, first, second=None, rng=None):
+        return Verdict(first.token, CommitSource.FIRST)
+
+    monkeypatch.setattr(pipeline_mod, "cascade_verify", accept_always)
+    params, n = SAMPLING_CASES["top-k"]
+    counts = _samples(sampling_setup["llm"], params, n, seed0=5000)
+    assert chi2_two_sample(counts, sampling_setup["ordinary"]["top-k"]) < ALPHA
+    exact = sampling_setup["exact"]["top-k"]
+    assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA
+
+
+# -- aborts, preemption, leaks ----------------------------------------------------------------------------------
+@pytest.mark.engine
+def test_aborts_and_preemption_leave_nothing_behind(ckpt_factory):
+    from vllm_loop.reference import load_reference
+
+    path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"}, mean_recurrence=8)
+    llm = _engine(path, {"method": "loopspec", "d1": 2, "d2": 4}, block_size=16, max_model_len=128,
+                  num_gpu_blocks_override=12)
+    jobs = greedy_jobs(seed=3, aborts=4)
+    try:
+        free_before = free_kv_blocks(llm)
+        preempted_before = _metric(llm, "vllm:num_preemptions")
+        got = run_jobs(llm, jobs)
+        assert _metric(llm, "vllm:num_preemptions") > preempted_before, "the small KV cache must force preemption"
+        assert free_kv_blocks(llm) == free_before
+        census = llm.collective_rpc(lane_census)[0]
+        assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
+    finally:
+        stop_llm(llm)
+    ref = load_reference(path)
+    aborted = [j for j in jobs if j.abort_at is not None]
+    assert any(len(got[j.request_id]) < j.params.max_tokens for j in aborted), "no abort hit a running request"
+    for job in jobs:
+        want = ref.greedy_generate(job.prompt, job.params.max_tokens)
+        if job.abort_at is None:
+            assert got[job.request_id] == want, job.request_id
+        else:
+            assert got[job.request_id] == want[: len(got[job.request_id])], job.request_id
+
+
+# -- requests the lanes do not serve ---------------------------------------------------------------------------
+@pytest.mark.engine
+def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
+    from vllm import SamplingParams
+
+    path = ckpt_factory("ouro", options={"agreement": "0.005"})
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    special = [
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12),
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=list(range(50, 90))),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=1, bad_words=["x"]),
+    ]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    batch = [(p, sp) for sp in special for p in prompts] + [(p, plain) for p in prompts]
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs is not None for o in outs]
+
+    vanilla = _engine(path)
+    try:
+        want, want_lp = run(vanilla)
+    finally:
+        stop_llm(vanilla)
+    llm = _engine(path, {"method": "loopspec"})
+    try:
+        got, got_lp = run(llm)
+        # vLLM itself refuses these with any speculative decoding, before the engine sees them
+        for bad in (dict(min_p=0.1), dict(logit_bias={7: 5.0})):
+            with pytest.raises(ValueError, match="min_p and logit_bias"):
+                llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, **bad), use_tqdm=False)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+        totals = _totals(llm)
+    finally:
+        stop_llm(llm)
+    assert got == want and got_lp == want_lp
+    assert [list(o.outputs[0].token_ids) for o in again] == want[-len(prompts):]
+    assert totals["lane_steps"] > 0

@@ -1,0 +1,213 @@
+"""The pieces LoopSpec adds for vLLM, without an engine: the pipeline's engine-facing decisions, the
+paged-bank view of vLLM's KV cache (both in-page layouts, detected with vLLM's own CPU kernel) and
+lane attention against plain attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
+from vllm_loop.loopspec.lanes import BranchTree
+from vllm_loop.loopspec.metrics import EngineCounters
+from vllm_loop.loopspec.pipeline import RequestPipeline
+from vllm_loop.loopspec.proposals import SamplingParams
+from vllm_loop.loopspec.schedule import LoopSpecSchedule
+from vllm_loop.loopspec.verify import CommitSource
+from vllm_loop.reference.kv import attention
+
+NB, S, H, B, D = 6, 3, 2, 16, 32  # blocks, banks (pages per block), kv heads, block size, head dim
+
+
+def _packed(dtype=torch.float32):
+    """vLLM's packed layout: one allocation, all banks of a block contiguous; bank b at page order[b]."""
+    backing = torch.zeros(NB, S, H, B, 2 * D, dtype=dtype)
+    order = [2, 0, 1]  # bank -> page: not the identity, as in vLLM (registration order)
+    return backing, [backing[:, order[b]] for b in range(S)]
+
+
+class _Layer:
+    """An attention layer whose backend writes the K/V probe (vLLM's CPU kernel, or split last dim)."""
+
+    _k_scale_float = _v_scale_float = 1.0
+
+    def __init__(self, layout):
+        self.impl = self
+        self.layout = layout
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if self.layout == "cpu":
+            from vllm import _custom_ops as ops
+
+            nb, h, b, _ = kv_cache.shape
+            kc, vc = kv_cache.view(nb, h, 2 * b, -1).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slot_mapping, "vec", k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+        else:
+            blocks, offs = slot_mapping // B, slot_mapping % B
+            kv_cache[blocks, :, offs, :D] = key
+            kv_cache[blocks, :, offs, D:] = value
+
+
+@pytest.mark.parametrize("layout, name", [("cpu", "cpu-kt"), ("split", "split-last")])
+def test_paged_banks_detect_the_layout_and_round_trip(layout, name):
+    backing, caches = _packed()
+    paged = PagedBanks(caches, _Layer(layout))
+    assert paged.layout == name and paged.page_of.tolist() == [2, 0, 1]
+    assert torch.count_nonzero(backing) == 0  # the probe's block is restored
+    # what our writer stores, vLLM's kernel would have stored (compare raw pages)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
+    paged.write(torch.tensor([4, 4, 5]), torch.tensor([1, 1, 2]), torch.tensor([0, 7, 15]), k, v)
+    ours = backing.clone()
+    backing.zero_()
+    slots = torch.tensor([4 * B + 0, 4 * B + 7, 5 * B + 15])
+    _Layer(layout).do_kv_cache_update(None, k[:2], v[:2], caches[1], slots[:2])
+    _Layer(layout).do_kv_cache_update(None, k[2:], v[2:], caches[2], slots[2:])
+    assert torch.equal(ours, backing)
+    kk, vv = paged.gather(torch.tensor([[4, 4], [5, 5]]), torch.tensor([1, 2]), torch.tensor([[0, 7], [15, 15]]))
+    assert torch.equal(kk[0], k[:2]) and torch.equal(vv[1, 0], v[2])
+
+
+def test_paged_banks_need_the_packed_layout():
+    separate = [torch.zeros(NB, H, B, 2 * D) for _ in range(S)]
+    with pytest.raises(RuntimeError, match="packed KV layout"):
+        PagedBanks(separate)
+
+
+def test_lane_attention_equals_attention_over_prefix_ancestors_and_self():
+    """Two requests; lanes at different banks; each row attends over its request's paged prefix
+    (bank of the row), its ancestors' scratch K/V and its own."""
+    g = torch.Generator().manual_seed(0)
+    _, caches = _packed()
+    paged = PagedBanks(caches)
+    scratch = LaneScratch(S, 8, H, D, 4, torch.float32, "cpu")
+    prefix = {0: 20, 1: 5}  # committed positions per request
+    tables = {0: [3, 1, 0], 1: [5, 0, 0]}
+    for r, n in prefix.items():  # fill the paged prefix of every bank
+        pos = torch.arange(n)
+        for bank in range(S):
+            paged.write(torch.tensor(tables[r])[pos // B], torch.full((n,), bank), pos % B,
+                        torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g))
+    # ancestors of each row live in scratch slots
+    anc = {0: [6, 2], 1: [], 2: [4]}
+    for slot in (6, 2, 4):
+        scratch.kv[:, slot] = torch.randn(S, 2, H, D, generator=g)
+    rows_req, rows_slot, banks = [0, 1, 0], [1, 3, 5], torch.tensor([2, 0, 1])
+    width = 2
+    rows = LaneRows(
+        slots=torch.tensor(rows_slot), prefix=torch.tensor([prefix[r] for r in rows_req]),
+        block_rows=torch.tensor([tables[r] for r in rows_req]),
+        ancestors=torch.tensor([a + [-1] * (width - len(a)) for a in (anc[0], anc[1], anc[2])]),
+    )
+    Hq = 2 * H  # GQA
+    q = torch.randn(3, Hq, D, generator=g)
+    k, v = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
+    out = LaneAttention(paged, scratch, rows)(banks, q, k, v, D**-0.5)
+    for i, r in enumerate(rows_req):
+        n, b = prefix[r], int(banks[i])
+        pos = torch.arange(n)
+        kp, vp = paged.gather(torch.tensor(tables[r])[pos // B][None], torch.tensor([b]), (pos % B)[None])
+        keys = torch.cat([kp[0]] + [scratch.kv[b, s, 0][None] for s in anc[i]] + [k[i : i + 1]])
+        vals = torch.cat([vp[0]] + [scratch.kv[b, s, 1][None] for s in anc[i]] + [v[i : i + 1]])
+        want = attention(q[i : i + 1], keys, vals, D**-0.5, keys.shape[0] - 1)
+        torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(scratch.kv[b, rows_slot[i], 0], k[i])  # the row's own K/V is kept
+
+
+def test_lane_scratch_slots_come_back():
+    scratch = LaneScratch(2, 3, 1, 4, 4, torch.float32, "cpu")
+    taken = [scratch.take() for _ in range(3)]
+    assert sorted(taken) == [0, 1, 2] and scratch.take() is None and scratch.free == 0
+    for s in taken:
+        scratch.give_back(s)
+    assert scratch.free == 3
+
+
+# -- the pipeline, as the engine drives it ----------------------------------------------------------------------
+def _drive_greedy(pipe: RequestPipeline, target, steps: int, proposal=None):
+    """Advance ``pipe`` for ``steps`` recurrent steps with a fake model: the full-depth argmax after
+    token t is ``target(t)``; readouts at d1/d2 propose ``proposal(t, depth)``. -> committed tokens."""
+    sch, out = pipe.schedule, []
+    proposal = proposal or (lambda token, depth: target(token))
+    for _ in range(steps):
+        for lane in pipe.lanes:
+            lane.depth += 1
+        read = {lane.id: (target(lane.token) if lane.depth == sch.R else proposal(lane.token, lane.depth))
+                for lane in pipe.readers()}
+        step = pipe.advance(read)
+        if step.commit is not None:
+            out.append(step.commit.verdict.token)
+    return out
+
+
+def test_pipeline_commits_the_full_depth_argmax_whatever_the_proposals():
+    target = lambda t: (3 * t + 1) % 17  # noqa: E731
+    sch = LoopSpecSchedule(8, 2, 4)
+    for proposal in (None, lambda t, d: (t + d) % 17, lambda t, d: target(t) if d == 4 else 0):
+        pipe = RequestPipeline(sch)
+        pipe.start(5, 10)
+        got = _drive_greedy(pipe, target, 60, proposal)
+        want, t = [], 5
+        for _ in got:
+            t = target(t)
+            want.append(t)
+        assert got == want and len(got) >= 60 // 8
+
+
+def test_pipeline_lane_cap_keeps_it_lossless():
+    """A cap below the schedule's bound skips proposals (never a wrong token)."""
+    target = lambda t: (5 * t + 2) % 23  # noqa: E731
+    sch = LoopSpecSchedule(8, 2, 4, gate=False)
+    free, capped = RequestPipeline(sch), RequestPipeline(sch, max_lanes=2)
+    for p in (free, capped):
+        p.start(1, 0)
+    wrong = lambda t, d: (t + 1) % 23  # noqa: E731  second proposals always differ from the first
+    a, b = _drive_greedy(free, target, 80, wrong), _drive_greedy(capped, target, 80, wrong)
+    assert b == a[: len(b)] and len(b) > 5
+    assert max(capped.stats.lanes_per_step) <= 2 < max(free.stats.lanes_per_step)
+
+
+def test_pipeline_without_a_first_proposal_samples_from_p():
+    sch = LoopSpecSchedule(4, 1)
+    pipe = RequestPipeline(sch, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), max_lanes=1)
+    root = pipe.start(3, 7)
+    for d in range(1, 5):
+        root.depth = d
+        p = torch.tensor([0.0, 0.25, 0.75])
+        step = pipe.advance({root.id: p} if d in sch.readout_depths else {})
+    assert root.first is None and step.commit is not None
+    assert step.commit.verdict.source == CommitSource.FULL and step.commit.verdict.token in (1, 2)
+    assert [lane.position for lane in step.spawned] == [8]  # the restart lane for the next position
+
+
+def test_tree_reroot_keeps_the_committed_path():
+    tree = BranchTree()
+    root = tree.start(1, 0)
+    a = tree.spawn(root, 2, CommitSource.FIRST)
+    b = tree.spawn(root, 9, CommitSource.SECOND)
+    a1 = tree.spawn(a, 3, CommitSource.FIRST)
+    a2 = tree.spawn(a1, 4, CommitSource.FIRST)
+    b1 = tree.spawn(b, 8, CommitSource.FIRST)
+    pruned = tree.reroot(a1)
+    assert {x.id for x in pruned} == {root.id, a.id, b.id, b1.id}
+    assert tree.root is a1 and a1.parent is None and tree.lanes == [a1, a2]
+    assert tree.ancestors(a2) == [a1]
+
+
+def test_engine_counters_and_vllm_spec_stats():
+    from vllm_loop.loopspec.scheduler import loopspec_spec_stats
+
+    c = EngineCounters(recurrent_steps=10, lanes_advanced=40, request_steps=20, first=8, second=2, full=2,
+                       first_verified=12, second_verified=5, gate_evaluations=10, gate_opens=5)
+    s = c.summary(R=4)
+    assert s["gamma"] == pytest.approx(4 * 12 / 20) and s["lanes_per_step"] == 4.0
+    assert s["shares"] == {"first": 8 / 12, "second": 2 / 12, "full": 2 / 12} and s["gate_open_rate"] == 0.5
+    stats = loopspec_spec_stats(c, num_spec_tokens=4)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (12, 17, 10)
+    assert stats.num_accepted_tokens_per_pos == [8, 2, 0, 0]
+    assert loopspec_spec_stats(EngineCounters(), 4) is None
+    total = EngineCounters()
+    total.add(c)
+    total.add(c)
+    assert total.minus(c) == c

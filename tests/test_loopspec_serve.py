@@ -1,0 +1,102 @@
+"""`vllm serve` with LoopSpec: the OpenAI API (completions and chat, streaming and not) and /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SPEC = '{"method": "loopspec", "d1": 1, "d2": 2}'
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_factory, tmp_path_factory):
+    from vllm_loop.testing.engines import Server
+
+    path = ckpt_factory("ouro", options={"agreement": "0.005"})
+    srv = Server(path, "--speculative-config", SPEC, log_path=str(tmp_path_factory.mktemp("serve") / "server.log"),
+                 served_name="tiny-ouro")
+    srv.path = path
+    yield srv
+    srv.stop()
+
+
+def _stream(server, path: str, body: dict) -> list[dict]:
+    import requests
+
+    chunks = []
+    with requests.post(f"{server.base}{path}", json=body | {"stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line and line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+@pytest.mark.engine
+def test_completions_equal_the_reference_streaming_or_not(server):
+    from vllm_loop.reference import load_reference
+
+    prompt = [5, 17, 99, 3, 250]
+    body = {"model": "tiny-ouro", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    tokens = data["choices"][0]["token_ids"]
+    assert tokens == load_reference(server.path).greedy_generate(prompt, 24)
+    assert data["usage"]["completion_tokens"] == 24
+    chunks = _stream(server, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == data["choices"][0]["text"]
+
+
+@pytest.mark.engine
+def test_chat_completions_streaming_or_not(server):
+    body = {"model": "tiny-ouro", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["usage"]["completion_tokens"] == 16
+    chunks = _stream(server, "/v1/chat/completions", body)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == data["choices"][0]["message"]["content"]
+
+
+@pytest.mark.engine
+def test_requests_lanes_cannot_serve_and_sampling_are_served(server):
+    ok = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [4, 5, 6], "max_tokens": 8,
+                                          "temperature": 0, "logprobs": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"] is not None
+    sampled = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [4, 5, 6], "max_tokens": 8,
+                                               "temperature": 1.0, "top_p": 0.7, "seed": 3, "ignore_eos": True})
+    assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] == 8
+    refused = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [4, 5, 6], "max_tokens": 8,
+                                               "min_p": 0.1})
+    assert refused.status_code == 400 and "min_p" in refused.text
+    assert server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [4], "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.engine
+def test_metrics_show_loopspec_counters(server):
+    import requests
+
+    server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [9, 8, 7], "max_tokens": 32, "temperature": 0,
+                                    "ignore_eos": True})
+    text = requests.get(f"{server.base}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("vllm_loop:", "vllm:spec_decode")):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+
+    def get(prefix):
+        return sum(v for k, v in values.items() if k.startswith(prefix))
+
+    assert get('vllm_loop:loopspec_commits_total{') > 0
+    assert get('vllm_loop:loopspec_commits_total{engine="0",model_name="tiny-ouro",source="first"}') > 0
+    assert get("vllm_loop:loopspec_recurrent_steps_total") > 0 and get("vllm_loop:loopspec_lanes_advanced_total") > 0
+    assert get("vllm_loop:loopspec_gate_evaluations_total") > 0 and get("vllm_loop:loopspec_lane_steps_total") > 0
+    assert 1.0 <= get("vllm_loop:loopspec_gamma{") <= 4.0 and get("vllm_loop:loopspec_lanes_per_step{") > 1
+    # vLLM's own spec-decode counters carry LoopSpec's verifications
+    assert get("vllm:spec_decode_num_drafts_total") > 0 and get("vllm:spec_decode_num_accepted_tokens_total") > 0

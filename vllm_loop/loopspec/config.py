@@ -1,0 +1,142 @@
+"""The front door: ``--speculative-config '{"method": "loopspec", ...}'`` turned into what vLLM 0.26 runs.
+
+vLLM validates ``SpeculativeConfig.method`` against a fixed list and forbids unknown keys, so the
+plugin translates a loopspec config before vLLM sees it (``vllm_patches.install_loopspec``):
+
+* ``speculative_config`` becomes vLLM's own ``custom_class`` method with our runner component as
+  the "proposer" and ``num_speculative_tokens = ceil(R / d1)`` (the longest lane chain a request
+  can hand back as drafts, so the scheduler gives its positions KV slots);
+* the LoopSpec knobs travel in ``additional_config["loopspec"]``, which reaches every process;
+* the scheduler is ``LoopSpecScheduler`` (vLLM's scheduler with LoopSpec's acceptance counters in
+  the spec-decode metrics) and scheduling is synchronous (lane steps return their tokens directly).
+
+Knobs: ``d1`` (first-proposal depth), ``d2`` (second-proposal depth; omitted: single-proposal
+mode), ``gate`` (the paper's gate on the second proposal, default true), ``max_lanes`` (cap on
+one request's live lanes; default: the schedule's bound, at most 64). Both depths omitted: the
+family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from vllm_loop.loopspec.schedule import LoopSpecSchedule
+
+logger = logging.getLogger(__name__)
+
+METHOD = "loopspec"
+KEYS = ("method", "d1", "d2", "gate", "max_lanes")
+DEFAULT_LANE_CAP = 64
+RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
+SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
+
+# Looped architectures -> (family, the config field holding the loop count R).
+LOOPED = {"OuroForCausalLM": ("ouro", "total_ut_steps"), "RavenForCausalLM": ("raven", "mean_recurrence")}
+
+
+def is_loopspec(config) -> bool:
+    return isinstance(config, dict) and config.get("method") == METHOD
+
+
+def model_depth(hf_config, architectures) -> tuple[str, int]:
+    """(family, R) of a looped model; a clear error for a model that does not loop."""
+    for arch in architectures or ():
+        if arch in LOOPED:
+            family, field = LOOPED[arch]
+            return family, int(getattr(hf_config, field))
+    raise ValueError(
+        f"speculative_config method 'loopspec' needs a looped model (architectures {', '.join(LOOPED)}); "
+        f"this model is {', '.join(architectures or ['unknown'])}, which does not loop"
+    )
+
+
+def default_depths(family: str, R: int) -> tuple[int, int | None]:
+    """Ouro: 1:2 (the paper's best at R=4). Raven: the paper's 2:8 at R=32, scaled to R (d2 a
+    multiple of d1 below R; single-proposal when R leaves no room for a second depth)."""
+    if family == "ouro":
+        d1, d2 = 1, 2
+    else:
+        d1 = max(1, round(2 * R / 32))
+        d2 = max(2 * d1, d1 * round(8 * R / 32 / d1))
+    if d1 >= R:
+        d1 = max(1, R - 1)
+    if d2 >= R:
+        d2 = None if 2 * d1 >= R else 2 * d1
+    return d1, d2
+
+
+def _field(config: dict, key: str):
+    value = config.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"speculative_config (loopspec): {key}={value!r} is invalid: {key} must be an integer")
+    return value
+
+
+def build_schedule(config: dict, family: str, R: int) -> tuple[LoopSpecSchedule, int]:
+    """Validated (schedule, max_lanes) from a user's loopspec config; errors name the key and the rule."""
+    unknown = sorted(set(config) - set(KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config (loopspec): unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {', '.join(KEYS)}"
+        )
+    d1, d2 = _field(config, "d1"), _field(config, "d2")
+    if d1 is None and d2 is not None:
+        raise ValueError("speculative_config (loopspec): d2 needs d1 (the first-proposal depth)")
+    if d1 is None:
+        d1, d2 = default_depths(family, R)
+    gate = config.get("gate", True)
+    if not isinstance(gate, bool):
+        raise ValueError(f"speculative_config (loopspec): gate={gate!r} is invalid: gate must be true or false")
+    try:
+        schedule = LoopSpecSchedule(R, d1, d2, gate)
+    except ValueError as e:
+        raise ValueError(f"speculative_config (loopspec), model loop count R={R}: {e}") from None
+    cap = _field(config, "max_lanes")
+    if cap is not None and cap < 1:
+        raise ValueError(f"speculative_config (loopspec): max_lanes={cap} is invalid: max_lanes must be >= 1")
+    max_lanes = cap if cap is not None else min(schedule.max_lanes, DEFAULT_LANE_CAP)
+    return schedule, max_lanes
+
+
+def translate(config: dict, model_config) -> tuple[dict, dict]:
+    """A user's loopspec config -> (vLLM speculative config dict, additional_config["loopspec"])."""
+    family, R = model_depth(model_config.hf_config, getattr(model_config, "architectures", None))
+    hf = model_config.hf_config
+    if family == "ouro" and (getattr(hf, "early_exit_step", None) is not None
+                             or (getattr(hf, "early_exit_threshold", None) or 1.0) < 1.0):
+        raise ValueError(
+            "speculative_config (loopspec) verifies every token at full depth R, but this deployment reads "
+            "another depth (early_exit_step / early_exit_threshold < 1): remove those overrides or loopspec")
+    schedule, max_lanes = build_schedule(config, family, R)
+    knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes}
+    spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
+    logger.info("LoopSpec on: %s, lanes per request <= %d (%s)", schedule.describe(), max_lanes,
+                "defaults for " + family if config.get("d1") is None else "from --speculative-config")
+    return spec, knobs
+
+
+def knobs(vllm_config) -> dict | None:
+    """``additional_config["loopspec"]`` of an engine, or None when LoopSpec is off."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get("loopspec") if isinstance(extra, dict) else None
+
+
+def schedule_of(vllm_config) -> LoopSpecSchedule | None:
+    k = knobs(vllm_config)
+    return None if k is None else LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"])
+
+
+def readout_depths(vllm_config) -> tuple[int, ...]:
+    """Depths the model must read out (and keep coda KV for) when LoopSpec is on; () when off."""
+    s = schedule_of(vllm_config)
+    return () if s is None else s.readout_depths
+
+
+def flag(d1: int, d2: int | None, gate: bool = True) -> str:
+    """The ``vllm serve`` flag for a schedule (printed by the tuner)."""
+    import json
+
+    cfg = {"method": METHOD, "d1": d1} | ({} if d2 is None else {"d2": d2}) | ({} if gate else {"gate": False})
+    return f"--speculative-config '{json.dumps(cfg)}'"

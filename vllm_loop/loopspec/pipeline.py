@@ -1,0 +1,221 @@
+"""The decisions LoopSpec takes for one request, engine-free: the single home of the algorithm.
+
+A ``RequestPipeline`` owns one request's ``BranchTree``, its sampling parameters, its random
+source and its counters. Whoever executes lanes (the reference ``PipelinedExecutor`` or the vLLM
+runner) advances every lane by one core step, reads out the lanes that reached d1, d2 or R, and
+hands the readouts to ``advance``; the pipeline then
+
+* proposes at d1 (always) and spawns a child lane for the proposed token,
+* evaluates the gated residual second proposal at d2 and spawns a sibling when it opens,
+* verifies the root at R by cascade verification and commits one token, re-rooting the tree at
+  the accepted child or restarting it with a fresh lane for the committed token.
+
+Within one ``advance`` the order is fixed (the root's verification first, so that lanes it prunes
+make no proposals; then proposals of the surviving lanes in birth order), so a seeded request
+draws the same uniforms whatever executes it.
+
+A readout is the argmax (greedy) or the filtered distribution (sampling) of the lane's logits, as
+``readout_value`` computes it. ``max_lanes`` caps the request's live lanes (storage is finite in an
+engine): a proposal that would exceed it is not made. That keeps LoopSpec lossless (whether a
+proposal exists is decided before the verification draws its uniforms); a root verified without a
+first proposal commits a plain sample of p_R.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_loop.loopspec.lanes import BranchTree, Lane, Proposed
+from vllm_loop.loopspec.metrics import LoopSpecStats
+from vllm_loop.loopspec.proposals import (
+    SamplingParams,
+    filter_probs,
+    sample_from,
+    second_proposal,
+    total_variation,
+    uniform_source,
+)
+from vllm_loop.loopspec.schedule import LoopSpecSchedule
+from vllm_loop.loopspec.verify import (
+    CommitSource,
+    Proposal,
+    Verdict,
+    cascade_verify,
+    cascade_verify_greedy,
+    double_rejection_probability,
+)
+
+
+def readout_values(logits: torch.Tensor, params: SamplingParams) -> list:
+    """What a lane keeps from its readout: the argmax (greedy) or the filtered distribution."""
+    if params.greedy:
+        return logits.argmax(-1).tolist()
+    return list(filter_probs(logits, params))
+
+
+@dataclass
+class Commit:
+    lane: Lane  # the verified root: its position is now committed
+    verdict: Verdict  # the token committed for the next position, and where it came from
+
+
+@dataclass
+class Advance:
+    """What one ``advance`` did: lanes to run the pre-layers for, and the commit (if the root was verified)."""
+
+    spawned: list[Lane] = field(default_factory=list)  # alive new lanes (children and restarts), depth 0
+    commit: Commit | None = None
+    pruned: list[Lane] = field(default_factory=list)  # lanes that left the tree, the committed root aside
+
+
+class RequestPipeline:
+    def __init__(
+        self,
+        schedule: LoopSpecSchedule,
+        params: SamplingParams = SamplingParams(),
+        rng: torch.Generator | None = None,
+        max_lanes: int | None = None,
+    ):
+        self.schedule, self.params = schedule, params
+        self.tree = BranchTree()
+        self.stats = LoopSpecStats(schedule.R, schedule.d1, schedule.d2, schedule.gate)
+        self.max_lanes = schedule.max_lanes if max_lanes is None else max(1, max_lanes)
+        self._rng = rng
+        self._uniform = uniform_source(rng) if not params.greedy else None
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return self.tree.lanes
+
+    @property
+    def root(self) -> Lane | None:
+        return self.tree.root
+
+    def start(self, token: int, position: int) -> Lane:
+        """A fresh root lane at depth 0 for the last committed token (after prefill or a restart)."""
+        return self.tree.start(token, position)
+
+    def readers(self) -> list[Lane]:
+        """Lanes whose current depth is a readout depth (call after the core step)."""
+        depths = self.schedule.readout_depths
+        return [lane for lane in self.tree.lanes if lane.depth in depths]
+
+    def chain(self) -> list[Lane]:
+        """The root's first-proposal chain below it (the most likely continuation), oldest first."""
+        out, node = [], self.tree.root
+        while node is not None and node.first is not None and node.first.child.alive:
+            node = node.first.child
+            out.append(node)
+        return out
+
+    def clear(self) -> list[Lane]:
+        lanes = self.tree.lanes
+        self.tree.clear()
+        return lanes
+
+    # -- one recurrent step's decisions ---------------------------------------------------------------------
+    def advance(self, read: dict[int, object], is_final: Callable[[int], bool] = lambda token: False) -> Advance:
+        """``read[lane.id]``: the readout value of every lane at a readout depth. ``is_final(token)``:
+        True when committing ``token`` ends the request (then no lane restarts)."""
+        sch, out = self.schedule, Advance()
+        self.stats.recurrent_steps += 1
+        self.stats.lanes_per_step.append(len(self.tree))
+        root = self.tree.root
+        if root is not None and root.depth == sch.R:
+            # Verify first: lanes the commit prunes then make no proposals (and draw no uniforms).
+            before = self.tree.lanes
+            verdict = self._verify(root, read[root.id])
+            self.stats.record_commit(verdict.source, had_second=root.second is not None)
+            _, new_root = self.tree.commit(verdict.source)
+            if new_root is not None and new_root.token != verdict.token:
+                raise AssertionError("kept child does not carry the committed token")
+            out.commit = Commit(root, verdict)
+            out.pruned = [lane for lane in before if not lane.alive and lane is not root]
+            if is_final(verdict.token):
+                out.pruned += self.clear()
+                return out
+            if new_root is None:
+                out.spawned.append(self.tree.start(verdict.token, root.position + 1))
+        for lane in self.tree.lanes:
+            if lane.depth == sch.d1:
+                child = self._first_proposal(lane, read[lane.id])
+            elif lane.depth == sch.d2:
+                child = self._second_proposal(lane, read[lane.id])
+            else:
+                continue
+            if child is not None:
+                out.spawned.append(child)
+        return out
+
+    # -- proposals ------------------------------------------------------------------------------------------
+    def _room(self) -> bool:
+        return len(self.tree) < self.max_lanes
+
+    def _first_proposal(self, lane: Lane, value) -> Lane | None:
+        if not self._room():
+            return None  # no proposal: the root commits a plain sample of p_R at verification
+        if self.params.greedy:
+            x1, q1 = value, None
+        else:
+            q1 = value
+            x1 = sample_from(q1, self._uniform())
+        child = self.tree.spawn(lane, x1, CommitSource.FIRST)
+        lane.first = Proposed(x1, q1, child)
+        return child
+
+    def _second_proposal(self, lane: Lane, value) -> Lane | None:
+        if lane.first is None:
+            return None
+        x1, q1, _ = lane.first
+        self.stats.gate_evaluations += 1
+        lane.q2_tilde = value
+        if self.params.greedy:
+            if value == x1:  # gate closed (and the residual of equal one-hots is empty)
+                return None
+            x2, q2 = value, None
+        else:
+            q2 = second_proposal(value, q1, x1, gate=self.schedule.gate)
+            if q2 is None:
+                return None
+        if not self._room():
+            return None  # the gate opened but there is no storage for a sibling: no second proposal
+        if not self.params.greedy:
+            x2 = sample_from(q2, self._uniform())
+        self.stats.gate_opens += 1
+        self.stats.second_proposals += 1
+        child = self.tree.spawn(lane, x2, CommitSource.SECOND)
+        lane.second = Proposed(x2, q2, child)
+        return child
+
+    # -- verification ---------------------------------------------------------------------------------------
+    def _verify(self, root: Lane, value) -> Verdict:
+        sch, st = self.schedule, self.stats
+        first, second = root.first, root.second
+        if self.params.greedy:
+            target = value
+            if first is None:
+                return Verdict(target, CommitSource.FULL)
+            verdict = cascade_verify_greedy(target, first.token, None if second is None else second.token)
+            st.eps1_sum += float(first.token != target)
+            if sch.d2 is not None and root.q2_tilde is not None:
+                st.eps2_sum += float(root.q2_tilde != target)
+            st.exact_double_reject_sum += float(verdict.source == CommitSource.FULL)
+            return verdict
+        p = value
+        if first is None:
+            return Verdict(sample_from(p, self._uniform()), CommitSource.FULL)
+        verdict = cascade_verify(
+            p,
+            Proposal(first.token, first.dist),
+            None if second is None else Proposal(second.token, second.dist),
+            rng=self._uniform,
+        )
+        st.eps1_sum += float(total_variation(first.dist, p))
+        q2_tilde = root.q2_tilde if sch.d2 is not None else None
+        if q2_tilde is not None:
+            st.eps2_sum += float(total_variation(q2_tilde, p))
+        st.exact_double_reject_sum += double_rejection_probability(p, first.dist, q2_tilde, gate=sch.gate)
+        return verdict

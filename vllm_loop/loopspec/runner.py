@@ -1,0 +1,423 @@
+"""LoopSpec inside vLLM: the adapter at the V1 model runner's seam.
+
+vLLM knows LoopSpec as a ``custom_class`` speculative method whose "proposer" is this class; the
+plugin hooks ``GPUModelRunner.execute_model`` and ``sample_tokens`` (``vllm_patches``) so that
+
+* a **lane step** -- every scheduled request is a decoding LoopSpec request -- runs here: recurrent
+  steps in which one batched model call advances every live lane of every request (each row at its
+  own depth, reading its own KV bank), readouts at d1 / d2 / R, the decisions of each request's
+  ``RequestPipeline``, until every request has committed at least one token. The tokens go back as
+  the step's sampled tokens and each request's first-proposal chain as its drafts, so the
+  scheduler allocates KV slots for the next step (vLLM's contract: a decode row receives between 1
+  and 1 + its scheduled drafts tokens per step, which the commit cap enforces);
+* any other step (a prefill joins, a request the lanes cannot serve, a resumed request) is vLLM's
+  own: its forward verifies the lane chains as ordinary drafts with vLLM's rejection sampler
+  (lossless), and afterwards each request keeps the lanes on the committed path
+  (``after_standard_step``), starts its pipeline after its prefill, or restarts.
+
+The algorithm lives in ``pipeline.py``; lane KV and attention in ``lane_kv.py``; this module only
+moves tensors and keeps vLLM's books (input batch, request states, drafts, output).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_loop.loopspec.config import knobs
+from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
+from vllm_loop.loopspec.lanes import Lane
+from vllm_loop.loopspec.metrics import EngineCounters
+from vllm_loop.loopspec.pipeline import Commit, RequestPipeline, readout_values
+from vllm_loop.loopspec.proposals import SamplingParams
+from vllm_loop.loopspec.schedule import LoopSpecSchedule
+from vllm_loop.loopspec.verify import CommitSource
+from vllm_loop.models.layers import bank_prefix, lane_attention
+
+logger = logging.getLogger(__name__)
+
+
+def lane_sampling(sp) -> SamplingParams | None:
+    """The lane path's sampling parameters for a vLLM request, or None when the request needs
+    something lanes do not do (it then decodes on vLLM's ordinary path in the same engine)."""
+    if sp is None:
+        return None
+    needs_vllm = (
+        sp.logprobs is not None or sp.prompt_logprobs is not None or sp.logprob_token_ids
+        or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+        or sp.min_p > 0.0 or sp.min_tokens > 0 or sp.logit_bias or sp.allowed_token_ids
+        or sp.bad_words or sp.bad_words_token_ids or sp.structured_outputs is not None
+        or sp.thinking_token_budget is not None or sp.repetition_detection is not None
+    )
+    if needs_vllm:
+        return None
+    return SamplingParams(temperature=float(sp.temperature), top_k=int(sp.top_k) if sp.top_k > 0 else 0,
+                          top_p=float(sp.top_p))
+
+
+@dataclass(eq=False)
+class _Live:
+    """A LoopSpec request known to the runner."""
+
+    req_id: str
+    pipe: RequestPipeline
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request's share of a lane step."""
+
+    live: _Live
+    index: int  # row in vLLM's input batch
+    cap: int  # at most this many tokens this step (1 + scheduled drafts)
+    state: object  # vLLM's CachedRequestState
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.cap or not self.live.pipe.lanes
+
+
+class LoopSpecRunner:
+    loopspec = True  # what the vLLM hooks look for on ``runner.drafter``
+
+    def __init__(self, vllm_config):
+        k = knobs(vllm_config)
+        if k is None:
+            raise ValueError("LoopSpecRunner needs additional_config['loopspec'] (use method 'loopspec')")
+        self.schedule = LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"])
+        self.max_lanes = int(k["max_lanes"])
+        self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.model = None
+        self.paged: PagedBanks | None = None
+        self.scratch: LaneScratch | None = None
+        self.live: dict[str, _Live] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.totals = EngineCounters()
+        self._step = EngineCounters()
+
+    # -- vLLM's proposer interface ----------------------------------------------------------------------
+    def load_model(self, model) -> None:
+        for name in ("lane_pre", "lane_core", "lane_logits", "lane_state_width"):
+            if not hasattr(model, name):
+                raise ValueError(f"LoopSpec needs a looped model with lanes; {type(model).__name__} has no {name}")
+        self.model = model
+
+    def propose(self, sampled_token_ids, *args, **kwargs):
+        """vLLM asks after its own steps; the real drafts are set in ``after_standard_step``."""
+        return [[] for _ in sampled_token_ids]
+
+    # -- engine-step entry points (vllm_patches) --------------------------------------------------------------
+    def execute_model(self, runner, scheduler_output):
+        """Serve the step with lanes and return its ``ModelRunnerOutput``, or None for vLLM's path."""
+        self._forget(scheduler_output)
+        if not self._is_lane_step(scheduler_output):
+            return None
+        runner._update_states(scheduler_output)
+        self._ensure_storage(runner)
+        before = self._pipeline_stats()
+        rows = self._rows(runner, scheduler_output)
+        with torch.inference_mode():
+            steps = 0
+            while True:
+                active = [row for row in rows if not row.done]
+                # Every request commits at least once per engine step (vLLM's contract); past that,
+                # keep all requests in lockstep for up to R recurrent steps (fewer scheduler round
+                # trips) and stop when one of them has nothing more it may commit.
+                if not active or all(row.tokens for row in rows) and (len(active) < len(rows) or steps >= self.schedule.R):
+                    break
+                self._recurrent_step(runner, active)
+                steps += 1
+        self._step.lane_steps += 1
+        self._count_pipeline_stats(before)
+        out = self._finish_lane_step(runner, rows)
+        for row in rows:  # finished by its own stop rule: vLLM frees it next step (or it restarts)
+            if not row.live.pipe.lanes:
+                self.live.pop(row.live.req_id, None)
+        return out
+
+    def after_standard_step(self, runner, scheduler_output, output) -> None:
+        """After vLLM's own step: keep each request's lanes on the committed path (or start them),
+        then hand the chains back as drafts."""
+        if output is None or not getattr(output, "req_ids", None):
+            return
+        self._ensure_storage(runner)
+        counted = False
+        starts: list[tuple[_Row, Lane]] = []
+        for i, req_id in enumerate(output.req_ids):
+            tokens = output.sampled_token_ids[i] if i < len(output.sampled_token_ids) else []
+            state = runner.requests.get(req_id)
+            if not tokens or state is None:
+                continue
+            params = lane_sampling(state.sampling_params)
+            if params is None:
+                self._drop(req_id)
+                continue
+            live = self.live.get(req_id)
+            position = state.num_prompt_tokens + len(state.output_token_ids) - 1  # the last token's
+            if live is None:
+                live = self.live[req_id] = _Live(req_id, RequestPipeline(
+                    self.schedule, params, self._generator(req_id, state.sampling_params), self.max_lanes))
+            else:
+                counted = True  # a lane request decoded in vLLM's step
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+                if drafts:
+                    self._step.chain_rows += 1
+                    self._step.chain_drafts += len(drafts)
+                    self._step.chain_accepted += len(tokens) - 1
+                if self._follow(live, tokens, position):
+                    continue
+            self._free(live.pipe.clear())
+            row = _Row(live, runner.input_batch.req_id_to_index[req_id], 0, state)
+            starts.append((row, live.pipe.start(tokens[-1], position)))
+        if counted:
+            self._step.standard_steps += 1
+        if starts:
+            with torch.inference_mode():
+                self._assign_slots([lane for _, lane in starts])
+                self._run_pre(runner, starts)
+        self._set_drafts(runner)
+
+    def take_counters(self) -> EngineCounters:
+        """This step's counters (attached to the step's output for the scheduler)."""
+        step, self._step = self._step, EngineCounters()
+        self.totals.add(step)
+        return step
+
+    def lane_census(self) -> dict:
+        """Live requests, lanes and free lane slots (tests: nothing leaks)."""
+        return {"requests": len(self.live), "lanes": sum(len(x.pipe.lanes) for x in self.live.values()),
+                "free_slots": None if self.scratch is None else self.scratch.free,
+                "slots": None if self.scratch is None else self.scratch.num_slots}
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+    def _forget(self, so) -> None:
+        gone = set(so.finished_req_ids) | set(so.preempted_req_ids or ()) | set(so.scheduled_cached_reqs.resumed_req_ids)
+        for req_id in gone:
+            self._drop(req_id)
+        for req_id in so.finished_req_ids:
+            self.generators.pop(req_id, None)
+
+    def _drop(self, req_id: str) -> None:
+        live = self.live.pop(req_id, None)
+        if live is not None:
+            self._free(live.pipe.clear())
+
+    def _free(self, lanes) -> None:
+        for lane in lanes:
+            if lane.slot is not None:
+                self.scratch.give_back(lane.slot)
+                lane.slot = None
+
+    def _generator(self, req_id: str, sp) -> torch.Generator | None:
+        """One generator per request for its whole life (a restarted pipeline keeps drawing fresh
+        uniforms): seeded requests are reproducible."""
+        if sp.temperature < 1e-5:
+            return None
+        if req_id not in self.generators:
+            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            self.generators[req_id] = torch.Generator().manual_seed(seed)
+        return self.generators[req_id]
+
+    def _is_lane_step(self, so) -> bool:
+        if so.scheduled_new_reqs or so.scheduled_cached_reqs.resumed_req_ids or not so.num_scheduled_tokens:
+            return False
+        computed = dict(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        for req_id, n in so.num_scheduled_tokens.items():
+            live = self.live.get(req_id)
+            if live is None or live.pipe.root is None:
+                return False
+            if n != 1 + len(so.scheduled_spec_decode_tokens.get(req_id, ())):
+                return False  # a prefill chunk
+            if computed.get(req_id) != live.pipe.root.position:
+                return False
+        return True
+
+    def _follow(self, live: _Live, tokens: list[int], position: int) -> bool:
+        """vLLM's forward committed ``tokens`` after the root: keep the lane that computes the last of
+        them (reached along the committed path) with its subtree. False: no such lane."""
+        node = live.pipe.root
+        if node is None or node.position != position - len(tokens):
+            return False
+        for token in tokens:
+            node = next((c for c in node.children if c.alive and c.token == token), None)
+            if node is None:
+                return False
+        self._free(live.pipe.tree.reroot(node))
+        return True
+
+    def _pipeline_stats(self) -> dict[str, tuple[int, int]]:
+        return {k: (x.pipe.stats.gate_evaluations, x.pipe.stats.gate_opens) for k, x in self.live.items()}
+
+    def _count_pipeline_stats(self, before) -> None:
+        for k, x in self.live.items():
+            e, o = before.get(k, (0, 0))
+            self._step.gate_evaluations += x.pipe.stats.gate_evaluations - e
+            self._step.gate_opens += x.pipe.stats.gate_opens - o
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def _ensure_storage(self, runner) -> None:
+        if self.paged is not None:
+            return
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        probe = get_layers_from_vllm_config(runner.vllm_config, Attention)[bank_prefix(0)]
+        self.paged = PagedBanks(list(runner.kv_caches), probe)
+        kernel_block = runner.input_batch.block_table[0].block_size
+        if kernel_block != self.paged.block_size:
+            raise RuntimeError(f"block table of {kernel_block}-token blocks, KV cache of {self.paged.block_size}")
+        slots = self.max_num_seqs * (self.max_lanes + 1)  # +1: a verified root keeps its slot until copied
+        dtype = runner.kv_caches[0].dtype
+        self.scratch = LaneScratch(self.paged.num_banks, slots, self.paged.num_heads, self.paged.head_dim,
+                                   self.model.lane_state_width, dtype, runner.kv_caches[0].device)
+        mib = (self.scratch.kv.numel() + self.scratch.states.numel()) * self.scratch.kv.element_size() / 2**20
+        logger.info("LoopSpec lanes: %d slots (%d requests x %d lanes + 1), %.1f MiB of lane KV and states, "
+                    "KV layout %s", slots, self.max_num_seqs, self.max_lanes, mib, self.paged.layout)
+
+    def _assign_slots(self, lanes: list[Lane]) -> None:
+        for lane in lanes:
+            lane.slot = self.scratch.take()
+            if lane.slot is None:
+                raise RuntimeError("LoopSpec lane slots exhausted (the pool is sized for max_num_seqs requests)")
+
+    # -- one lane step -----------------------------------------------------------------------------------------
+    def _rows(self, runner, so) -> list[_Row]:
+        rows = []
+        for index, req_id in enumerate(runner.input_batch.req_ids):
+            cap = 1 + len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            rows.append(_Row(self.live[req_id], index, cap, runner.requests[req_id]))
+        return rows
+
+    def _lane_rows(self, runner, items: list[tuple[_Row, Lane]]) -> LaneRows:
+        device = self.scratch.kv.device
+        ancestors = [[a.slot for a in row.live.pipe.tree.ancestors(lane)] for row, lane in items]
+        width = max((len(a) for a in ancestors), default=0)
+        table = runner.input_batch.block_table[0].block_table.np
+        return LaneRows(
+            slots=torch.tensor([lane.slot for _, lane in items], device=device),
+            prefix=torch.tensor([row.live.pipe.root.position for row, _ in items], device=device),
+            block_rows=torch.from_numpy(table[[row.index for row, _ in items]]).to(device=device, dtype=torch.long),
+            ancestors=torch.tensor([a + [-1] * (width - len(a)) for a in ancestors], dtype=torch.long,
+                                   device=device).reshape(len(items), width),
+        )
+
+    def _call(self, runner, items, fn, *tensors):
+        with lane_attention(LaneAttention(self.paged, self.scratch, self._lane_rows(runner, items))):
+            return fn(*tensors)
+
+    def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
+        """Depth-0 states of new lanes (children and restarts)."""
+        device = self.scratch.kv.device
+        tokens = torch.tensor([lane.token for _, lane in items], device=device)
+        positions = torch.tensor([lane.position for _, lane in items], device=device)
+        slots = torch.tensor([lane.slot for _, lane in items], device=device)
+        self.scratch.states[slots] = self._call(runner, items, self.model.lane_pre, tokens, positions)
+
+    def _recurrent_step(self, runner, rows: list[_Row]) -> None:
+        sch, device, scratch = self.schedule, self.scratch.kv.device, self.scratch
+        items = [(row, lane) for row in rows for lane in row.live.pipe.lanes]
+        slots = torch.tensor([lane.slot for _, lane in items], device=device)
+        positions = torch.tensor([lane.position for _, lane in items], device=device)
+        depths = torch.tensor([lane.depth for _, lane in items], device=device)
+        # 1. one core step for every lane of every request, each at its own depth
+        scratch.states[slots] = self._call(runner, items, self.model.lane_core, scratch.states[slots], positions, depths)
+        for _, lane in items:
+            lane.depth += 1
+        self._step.recurrent_steps += 1
+        self._step.lanes_advanced += len(items)
+        self._step.request_steps += len(rows)
+        # 2. readouts at d1, d2, R
+        read: dict[int, dict[int, object]] = {id(row): {} for row in rows}
+        readers = [(row, lane) for row, lane in items if lane.depth in sch.readout_depths]
+        if readers:
+            r_slots = torch.tensor([lane.slot for _, lane in readers], device=device)
+            logits = self._call(runner, readers, self.model.lane_logits, scratch.states[r_slots],
+                                torch.tensor([lane.position for _, lane in readers], device=device),
+                                torch.tensor([lane.depth for _, lane in readers], device=device)).float().cpu()
+            by_params: dict[SamplingParams, list[int]] = {}
+            for i, (row, _) in enumerate(readers):
+                by_params.setdefault(row.live.pipe.params, []).append(i)
+            for params, idx in by_params.items():
+                for i, value in zip(idx, readout_values(logits[idx], params)):
+                    row, lane = readers[i]
+                    read[id(row)][lane.id] = value
+        # 3. each request's decisions
+        commits: list[tuple[_Row, Commit]] = []
+        spawned: list[tuple[_Row, Lane]] = []
+        for row in rows:
+            step = row.live.pipe.advance(read[id(row)], lambda token, row=row: self._is_final(row, token))
+            self._free(step.pruned)
+            if step.commit is not None:
+                commits.append((row, step.commit))
+                row.tokens.append(step.commit.verdict.token)
+            spawned.extend((row, lane) for lane in step.spawned)
+        # 4. verified roots: their K/V of every bank goes to the paged cache, then their slots are free
+        if commits:
+            self._commit_kv(runner, commits)
+        # 5. pre-layers for the new lanes
+        if spawned:
+            self._assign_slots([lane for _, lane in spawned])
+            self._run_pre(runner, spawned)
+
+    def _is_final(self, row: _Row, token: int) -> bool:
+        """Would committing ``token`` finish the request (vLLM's stop rules for lane requests)?"""
+        sp, state = row.state.sampling_params, row.state
+        n_out = len(state.output_token_ids) + len(row.tokens) + 1
+        return (token == sp.eos_token_id or token in (sp.stop_token_ids or ())
+                or n_out >= (sp.max_tokens if sp.max_tokens is not None else self.max_model_len)
+                or state.num_prompt_tokens + n_out >= self.max_model_len)
+
+    def _commit_kv(self, runner, commits: list[tuple[_Row, Commit]]) -> None:
+        device, B = self.scratch.kv.device, self.paged.block_size
+        table = runner.input_batch.block_table[0].block_table.np
+        nb = self.paged.num_banks
+        blocks, offsets, slots = [], [], []
+        for row, commit in commits:
+            root, source = commit.lane, commit.verdict.source
+            p = root.position
+            blocks.append(int(table[row.index, p // B]))
+            offsets.append(p % B)
+            slots.append(root.slot)
+            self._step.first += source == CommitSource.FIRST
+            self._step.second += source == CommitSource.SECOND
+            self._step.full += source == CommitSource.FULL
+            self._step.first_verified += root.first is not None
+            self._step.second_verified += root.second is not None
+        banks = torch.arange(nb, device=device).repeat(len(commits))
+        slot_t = torch.tensor(slots, device=device).repeat_interleave(nb)
+        kv = self.scratch.kv[banks, slot_t]  # [m * banks, 2, H, D]
+        self.paged.write(torch.tensor(blocks, device=device).repeat_interleave(nb), banks,
+                         torch.tensor(offsets, device=device).repeat_interleave(nb), kv[:, 0], kv[:, 1])
+        self._free([commit.lane for _, commit in commits])
+
+    def _finish_lane_step(self, runner, rows: list[_Row]):
+        """vLLM's bookkeeping for the committed tokens (as ``_bookkeeping_sync`` does), the drafts,
+        and the step's output."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        ib = runner.input_batch
+        for row in rows:
+            start = ib.num_tokens_no_spec[row.index]
+            end = start + len(row.tokens)
+            ib.token_ids_cpu[row.index, start:end] = row.tokens
+            ib.is_token_ids[row.index, start:end] = True
+            ib.num_tokens_no_spec[row.index] = end
+            row.state.output_token_ids.extend(row.tokens)
+        self._set_drafts(runner)
+        out = ModelRunnerOutput(req_ids=list(ib.req_ids), req_id_to_index=dict(ib.req_id_to_index),
+                                sampled_token_ids=[row.tokens for row in rows])
+        return out
+
+    def _set_drafts(self, runner) -> None:
+        """Each request's first-proposal chain (at most num_speculative_tokens) becomes its drafts."""
+        drafts = []
+        for req_id in runner.input_batch.req_ids:
+            live = self.live.get(req_id)
+            drafts.append([] if live is None else [lane.token for lane in live.pipe.chain()][: self.num_spec_tokens])
+        runner._draft_token_ids = drafts
+        runner._draft_token_req_ids = list(runner.input_batch.req_ids)
