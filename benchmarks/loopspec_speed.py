@@ -58,7 +58,8 @@ def worker(args) -> dict:
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.concurrency), seed=0,
-              enforce_eager=args.eager or not gpu, trust_remote_code=args.worker == "in-tree")
+              enforce_eager=args.worker in args.eager.split(",") or not gpu,
+              trust_remote_code=args.worker == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
     if args.worker == "loopspec":
         kw["speculative_config"] = json.loads(args.spec)
@@ -95,7 +96,7 @@ def worker(args) -> dict:
         rows.append(row)
     return {"system": args.worker, "startup_s": round(startup, 1), "rows": rows,
             "model_module": llm.llm_engine.vllm_config.model_config.architecture,
-            "device": torch.cuda.get_device_name() if gpu else "cpu"}
+            "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu"}
 
 
 def main() -> int:
@@ -107,7 +108,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--eager", action="store_true", help="enforce_eager for every system")
+    ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (the lanes "
+                    "always run eagerly; an eager LoopSpec engine only saves compile time at start-up)")
     ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -131,7 +133,7 @@ def main() -> int:
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
-               "--concurrency", *map(str, args.concurrency)] + (["--eager"] if args.eager else [])
+               "--eager", args.eager, "--concurrency", *map(str, args.concurrency)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:

@@ -66,9 +66,7 @@ class PagedBanks:
         D = D2 // 2
         if layout == "split-last":
             return page_tensor[..., :D], page_tensor[..., D:]
-        flat = page_tensor.reshape(nb, H, 2 * B * D) if page_tensor.is_contiguous() else None
-        if flat is None:
-            flat = page_tensor.view(nb, H, B * D2)
+        flat = page_tensor.view(nb, H, B * D2)
         return flat[..., : B * D].unflatten(-1, (D, B)).transpose(-1, -2), flat[..., B * D:].unflatten(-1, (B, D))
 
     def _detect_layout(self, layer, cache: torch.Tensor, page: int) -> str:
@@ -83,7 +81,10 @@ class PagedBanks:
         try:
             layer.impl.do_kv_cache_update(layer, k, v, cache, torch.arange(B, device=cache.device))
             for layout in ("split-last", "cpu-kt"):
-                kv, vv = self._views(layout, cache)
+                try:
+                    kv, vv = self._views(layout, cache)
+                except RuntimeError:  # this layout's view does not exist for these strides
+                    continue
                 if torch.equal(kv[0].transpose(0, 1), k) and torch.equal(vv[0].transpose(0, 1), v):
                     return layout
         finally:
