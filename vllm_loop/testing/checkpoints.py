@@ -238,13 +238,15 @@ def plan_checkpoint(
     tokenizer_vocab: int = 512,
     weights: bool = True,
     texts=None,
+    tokenizer=None,
     **overrides: Any,
 ) -> tuple[Checkpoint, TokenizerSpec, Any]:
     """What ``make_checkpoint`` writes, in memory: ``(checkpoint, tokenizer spec, tokenizer)``.
 
     ``texts`` trains the tokenizer on other text than the shipped corpus (the trained models of
-    ``vllm_loop.training`` pass their corpus); ``weights=False`` gives meta tensors (names and
-    shapes only), for a caller that brings its own weights.
+    ``vllm_loop.training`` pass their corpus), ``tokenizer`` reuses one trained before for the
+    same family; ``weights=False`` gives meta tensors (names and shapes only), for a caller that
+    brings its own weights.
     """
     _load_families()
     if family_name not in FAMILIES:
@@ -253,7 +255,7 @@ def plan_checkpoint(
     chosen = _check_options(fam, {k: str(v) for k, v in (options or {}).items()})
 
     spec = fam.tokenizer(chosen)
-    tok = train_tokenizer(spec, tokenizer_vocab, texts)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(spec, tokenizer_vocab, texts)
     token_ids = {t: tok.token_to_id(t) for t in [*spec.special, *spec.appended]}
     ctx = BuildContext(
         seed=seed,

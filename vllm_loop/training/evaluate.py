@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_loop.training.corpus import Corpus
+from vllm_loop.training.corpus import HELDOUT, Corpus
 from vllm_loop.training.train import encode_works, eos_token, heldout_depth_losses, load_trained
 
 PAPER_SCHEDULES = {4: (1, 2), 32: (2, 8)}  # the paper's settings for Ouro (R=4) and Raven (R=32)
@@ -43,7 +43,8 @@ def _schedules(tune_result, R: int) -> list[tuple[str, int, int | None]]:
     out: list[tuple[str, int, int | None]] = []
     if tune_result is not None:
         out.append(("recommended", *tune_result.best))
-        out.append(("best two-proposal", *tune_result.best_two_proposals))
+        if R <= 8:  # deep models: the recommended and the paper's schedule only (executor time)
+            out.append(("best two-proposal", *tune_result.best_two_proposals))
     if R in PAPER_SCHEDULES:
         out.append(("paper", *PAPER_SCHEDULES[R]))
     elif R >= 4:
@@ -100,7 +101,7 @@ def evaluate(path, corpus: Corpus, *, device: str = "cpu", bf16: bool = False, s
     result["heldout"] = {"tokens": losses["tokens"], "depths": rows, "seconds": round(time.perf_counter() - t0, 2)}
     if "exit_pdf" in losses:
         result["heldout"]["exit_pdf"] = losses["exit_pdf"]
-    say(f"held-out perplexity by depth ({losses['tokens']:,} tokens of {', '.join(('hamlet', 'twelfth_night', 'sonnets'))}):")
+    say(f"held-out perplexity by depth ({losses['tokens']:,} tokens of {', '.join(HELDOUT)}):")
     for row in rows:
         pdf = losses.get("exit_pdf", {}).get(row["depth"])
         say(f"  r={row['depth']:<3d} CE {row['ce']:.4f}  ppl {row['ppl']:9.2f}" + ("" if pdf is None else f"  mean exit p {pdf:.3f}"))

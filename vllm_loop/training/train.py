@@ -217,9 +217,9 @@ def ouro_gate_loss(model: OuroLM, x, y, k: float = 50.0, gamma: float = 0.005):
                           for s in states])
         improve = (ce[:-1] - ce[1:]).clamp_min(0)  # [T-1, N]
         cont = torch.sigmoid(k * (improve - gamma))
-    lam = torch.sigmoid(torch.stack([model.model.early_exit_gate(s.detach()).squeeze(-1).float().reshape(-1)
-                                     for s in states[:-1]]))
-    return F.binary_cross_entropy(lam, 1.0 - cont)
+    logits = torch.stack([model.model.early_exit_gate(s.detach()).squeeze(-1).float().reshape(-1)
+                          for s in states[:-1]])  # exit logits, lambda_t = sigmoid
+    return F.binary_cross_entropy_with_logits(logits, 1.0 - cont)  # (plain BCE refuses autocast)
 
 
 def sample_recurrence(mean: int, backprop: int, g: torch.Generator, sigma: float = 0.5) -> tuple[int, int]:
@@ -405,8 +405,12 @@ def train(m: ModelSpec, t: TrainSpec, corpus: Corpus, out: Path, *, device: str 
         if t.steps is None and step == calib_at:  # fix the step count from the measured speed
             _sync(device)
             per_step = (time.perf_counter() - t_loop) / calib_at
-            evals = 0 if not t.eval_every else 1 + (t.time_budget_s / per_step) // t.eval_every
-            budget = t.time_budget_s - (time.perf_counter() - t0) - evals * 0.5
+            # reserve time for the held-out evaluations (forward passes over eval_tokens, counted as
+            # training steps of as many tokens) and for the gate-only stage II (about half a step each)
+            n_evals = 0 if not t.eval_every else 1 + (t.time_budget_s / per_step) // t.eval_every
+            eval_cost = n_evals * max(1.0, t.eval_tokens / (t.batch * t.seq_len)) * per_step
+            gate_cost = (t.gate_steps if m.family == "ouro" else 0) * 0.5 * per_step
+            budget = t.time_budget_s - (time.perf_counter() - t0) - eval_cost - gate_cost
             total = max(step + 1, int(step + budget / per_step))
             bar.set_total(total)
             say(f"[{m.family}] {per_step * 1e3:.0f} ms/step over the first {calib_at} steps: training {total} steps "
@@ -487,7 +491,8 @@ def training_record(res: TrainResult, m: ModelSpec, t: TrainSpec, corpus: Corpus
 
 
 # -- presets --------------------------------------------------------------------------------------------
-# tiny: CPU (the demo and tests); h200: one H200, about 3.5 minutes of training per model.
+# tiny: CPU (the demo and tests); h200: one H200, 170 s of training per model (both models plus their
+# evaluation fit one 10-minute call).
 PRESETS: dict[str, dict[str, tuple[ModelSpec, TrainSpec]]] = {
     "tiny": {
         "ouro": (ModelSpec("ouro", hidden=128, heads=4, intermediate=384, vocab=1024, depth=4, layers=2),
@@ -498,11 +503,11 @@ PRESETS: dict[str, dict[str, tuple[ModelSpec, TrainSpec]]] = {
     },
     "h200": {
         "ouro": (ModelSpec("ouro", hidden=512, heads=8, intermediate=1536, vocab=8192, depth=4, layers=8),
-                 TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=200, lr=1.5e-3, warmup_steps=100,
+                 TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=170, lr=1.5e-3, warmup_steps=100,
                            dropout=0.1, gate_steps=200, eval_every=100, eval_tokens=65536, log_every=50, bf16=True)),
         "raven": (ModelSpec("raven", hidden=512, heads=8, intermediate=1536, vocab=8192, depth=32, prelude=2, core=4,
                             coda=2, train_recurrence=32, backprop_depth=8),
-                  TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=200, lr=1.5e-3, warmup_steps=100,
+                  TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=170, lr=1.5e-3, warmup_steps=100,
                             dropout=0.1, eval_every=100, eval_tokens=65536, log_every=50, bf16=True)),
     },
 }
