@@ -36,7 +36,9 @@ if str(REPO) not in sys.path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=("tiny", "h200"), default="tiny")
-    ap.add_argument("--out", type=Path, required=True, help="folder for the checkpoints, results.json and PNGs")
+    ap.add_argument("--out", type=Path, required=True, help="folder for results.json, the PNGs (and the checkpoints)")
+    ap.add_argument("--ckpt-dir", type=Path, default=None,
+                    help="folder for the checkpoint folders (default: --out; h200 checkpoints are ~140 MB each)")
     ap.add_argument("--models", nargs="+", choices=("ouro", "raven"), default=["ouro", "raven"])
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--steps", type=int, default=None, help="training steps per model (default: the preset's)")
@@ -90,11 +92,11 @@ def main(argv=None) -> int:
             overrides["eval_tokens"] = args.eval_tokens
         m, t = preset(args.preset, family, **overrides)
         print(f"\n=== {family}: {m}\n    {t}", flush=True)
-        path = args.out / f"{family}-{args.preset}"
+        path = (args.ckpt_dir or args.out) / f"{family}-{args.preset}"
+        path.parent.mkdir(parents=True, exist_ok=True)
         res = train(m, t, corpus, path, device=device, progress=not args.no_progress)
         training = json.loads((path / "training.json").read_text())
-        entry = {"checkpoint": str(path), "training": {k: v for k, v in training.items() if k != "history"},
-                 "train_seconds": round(res.seconds, 1)}
+        entry = {"checkpoint": str(path), "training": training, "train_seconds": round(res.seconds, 1)}
         if not args.skip_eval:
             before = torch.get_num_threads()
             torch.set_num_threads(args.ref_threads or (1 if cores <= 4 else 4))
@@ -128,10 +130,8 @@ def replot(path: Path) -> int:
     results = json.loads(path.read_text())
     for family, entry in results["models"].items():
         if "eval" in entry:
-            training = json.loads((Path(entry["checkpoint"]) / "training.json").read_text()) \
-                if Path(entry["checkpoint"], "training.json").exists() else entry.get("training")
             png = path.with_name(f"{family}-{results['preset']}.png")
-            plot(entry["eval"], png, training)
+            plot(entry["eval"], png, entry.get("training"))
             print(f"wrote {png}")
     return 0
 

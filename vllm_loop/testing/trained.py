@@ -78,17 +78,21 @@ def tiny_trained_raven(out_dir=None, *, seed: int = 0, progress: bool = True, fe
     return tiny_trained("raven", out_dir, seed=seed, progress=progress, fetch=fetch, **kw)
 
 
-def heldout_prompts(n: int = 3, *, min_chars: int = 20, max_chars: int = 60) -> list[str]:
-    """``n`` prompts from the held-out works (Hamlet, Twelfth Night, the Sonnets): first lines of
-    paragraphs between ``min_chars`` and ``max_chars`` characters, evenly spaced, without the
-    speaker-name lines of the plays."""
+def heldout_prompts(n: int = 3, *, min_chars: int = 25, max_chars: int = 60) -> list[str]:
+    """``n`` prompts from the held-out works (Hamlet, Twelfth Night, the Sonnets), evenly spaced:
+    the first line of text of a paragraph (after the speaker's name in the plays), between
+    ``min_chars`` and ``max_chars`` characters, no titles or stage directions."""
     from vllm_loop.training.corpus import load_corpus
 
     lines = []
     for text in load_corpus().heldout_texts():
         for para in text.split("\n\n"):
-            first = para.split("\n")[0].strip()
-            if min_chars <= len(first) <= max_chars and not first.isupper() and not first.startswith("["):
+            rows = [r.strip() for r in para.split("\n") if r.strip()]
+            if len(rows) > 1 and len(rows[0]) <= 16 and rows[0].endswith("."):
+                rows = rows[1:]  # "Ham." / "VIOLA." speaker line
+            first = rows[0] if rows else ""
+            skip = first.isupper() or first.startswith(("[", "SCENE", "ACT", "by ")) or "Shakespeare" in first
+            if min_chars <= len(first) <= max_chars and not skip:
                 lines.append(first)
     step = max(1, len(lines) // n)
-    return [lines[i * step] for i in range(n)]
+    return [lines[i * step + step // 2] for i in range(n)]

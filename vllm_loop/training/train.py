@@ -261,17 +261,24 @@ def heldout_depth_losses(family: str, model, stream: torch.Tensor, seq_len: int,
         rows = range(i, min(n, i + batch))
         x = torch.stack([stream[j * seq_len:(j + 1) * seq_len] for j in rows]).to(device)
         y = torch.stack([stream[j * seq_len + 1:(j + 1) * seq_len + 1] for j in rows]).to(device)
+        def add(r, logits):  # one depth's logits at a time (R=32 readouts would not fit at once)
+            sums[r] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                       reduction="sum").item()
+
         with _autocast(device, bf16):
             if family == "ouro":
                 states, gates = model(x, depth=depths[-1])
-                logits = {r: model.logits(states[r - 1]) for r in depths}
+                for r in depths:
+                    add(r, model.logits(states[r - 1]))
                 pdf = model.exit_pdf(gates.reshape(len(states), -1)).sum(1)
                 pdf_sum = pdf if pdf_sum is None else pdf_sum + pdf
             else:
-                logits = model.forward_depths(x, depths)
-        for r in depths:
-            sums[r] += F.cross_entropy(logits[r].float().reshape(-1, logits[r].shape[-1]), y.reshape(-1),
-                                       reduction="sum").item()
+                e = model.embed(x)
+                state = model.initial_state(e)
+                for r in range(1, depths[-1] + 1):
+                    state = model.core(state, e)
+                    if r in depths:
+                        add(r, model.readout(state))
     tokens = n * seq_len
     out = {"ce": {r: sums[r] / tokens for r in depths}, "tokens": tokens}
     if pdf_sum is not None:
@@ -379,7 +386,7 @@ def train(m: ModelSpec, t: TrainSpec, corpus: Corpus, out: Path, *, device: str 
         f"train {n_tokens:,} tokens, held out {len(held_stream):,} tokens, device {device}")
     step = 0
     t_loop = time.perf_counter()
-    calib_at = 12
+    calib_at = 20
     while step < total:
         lr = _lr(step, total, t)
         for group in opt.param_groups:
@@ -402,9 +409,12 @@ def train(m: ModelSpec, t: TrainSpec, corpus: Corpus, out: Path, *, device: str 
         opt.step()
         step += 1
         res.tokens_seen += t.batch * t.seq_len
+        if t.steps is None and step == 3:  # the first steps pay for warm-up (kernels, allocator)
+            _sync(device)
+            t_loop = time.perf_counter()
         if t.steps is None and step == calib_at:  # fix the step count from the measured speed
             _sync(device)
-            per_step = (time.perf_counter() - t_loop) / calib_at
+            per_step = (time.perf_counter() - t_loop) / (calib_at - 3)
             # reserve time for the held-out evaluations (forward passes over eval_tokens, counted as
             # training steps of as many tokens) and for the gate-only stage II (about half a step each)
             n_evals = 0 if not t.eval_every else 1 + (t.time_budget_s / per_step) // t.eval_every
@@ -413,7 +423,7 @@ def train(m: ModelSpec, t: TrainSpec, corpus: Corpus, out: Path, *, device: str 
             budget = t.time_budget_s - (time.perf_counter() - t0) - eval_cost - gate_cost
             total = max(step + 1, int(step + budget / per_step))
             bar.set_total(total)
-            say(f"[{m.family}] {per_step * 1e3:.0f} ms/step over the first {calib_at} steps: training {total} steps "
+            say(f"[{m.family}] {per_step * 1e3:.0f} ms/step over steps 4-{calib_at}: training {total} steps "
                 f"to fit {t.time_budget_s:.0f} s")
         if step % t.log_every == 0 or step == total:
             row = {"step": step, "lr": lr, "loss": round(loss.item(), 4), "grad_norm": round(float(gnorm), 3)}
