@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (held-out prompts, new tokens per prompt) for the tuner and the LoopSpec runs. The reference
 # executor runs on the CPU, one Python-level core step per lane depth: at R=32 a request keeps up
 # to 16+ lanes at distinct depths, so Raven gets fewer, shorter requests to stay within minutes.
-EVAL_DEFAULTS = {"tiny": {"ouro": (8, 32), "raven": (4, 16)}, "h200": {"ouro": (16, 32), "raven": (6, 16)}}
+EVAL_DEFAULTS = {"tiny": {"ouro": (8, 32), "raven": (4, 16)}, "h200": {"ouro": (8, 32), "raven": (4, 16)}}
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--steps", type=int, default=None, help="training steps per model (default: the preset's)")
     ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds of training per model when the step count is automatic (h200 preset: 170)")
+                    help="seconds of training per model when the step count is automatic (h200 preset: 150)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -56,6 +56,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-threads", type=int, default=None,
                     help="torch threads for the CPU reference executor (default: 1 on <= 4 cores, else 4)")
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--eval-only", type=Path, nargs="+", default=None, metavar="CHECKPOINT",
+                    help="evaluate these trained checkpoint folders instead of training (family from config.json)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds for the whole command; LoopSpec runs that would end later are skipped "
+                         "(h200 preset: 560, to end inside a 10-minute job)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -83,6 +88,10 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "corpus": {"file": str(corpus.path), "sha256": corpus.sha256,
                                                       "license": corpus.license}, "models": {}}
     t_all = time.perf_counter()
+    deadline = args.deadline if args.deadline is not None else (560.0 if args.preset == "h200" else None)
+    deadline_at = None if deadline is None else t_all + deadline
+    if args.eval_only:
+        return eval_only(args, corpus, device, results, deadline_at)
     for family in args.models:
         overrides = {k: v for k, v in (("steps", args.steps), ("batch", args.batch), ("seq_len", args.seq_len),
                                         ("seed", args.seed)) if v is not None}
@@ -105,7 +114,7 @@ def main(argv=None) -> int:
             n_prompts, new_tokens = args.prompts or n_prompts, args.max_new_tokens or new_tokens
             ev = evaluate(path, corpus, device=device, bf16=t.bf16, seq_len=t.seq_len, batch=t.batch,
                           eval_tokens=args.eval_tokens, prompts=n_prompts, max_new_tokens=new_tokens,
-                          tune_new_tokens=new_tokens)
+                          tune_new_tokens=new_tokens, deadline=deadline_at)
             torch.set_num_threads(before)
             ev["eval_seconds"] = round(time.perf_counter() - t0, 1)
             print(f"[{family}] evaluation took {ev['eval_seconds']:.0f} s", flush=True)
@@ -120,6 +129,36 @@ def main(argv=None) -> int:
     results["seconds"] = round(time.perf_counter() - t_all, 1)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nwrote {args.out / 'results.json'} ({results['seconds']:.0f} s in all)")
+    return 0
+
+
+def eval_only(args, corpus, device, results, deadline_at) -> int:
+    """Evaluate finished checkpoints (e.g. a second job on the same machine, without a deadline)."""
+    import torch
+
+    from vllm_loop.training.evaluate import evaluate, plot
+
+    cores = os.cpu_count() or 1
+    for path in args.eval_only:
+        config = json.loads((path / "config.json").read_text())
+        family = "ouro" if config["model_type"] == "ouro" else "raven"
+        record = path / "training.json"
+        training = json.loads(record.read_text()) if record.exists() else None
+        seq_len = training["train"]["seq_len"] if training else 128
+        bf16 = bool(training and training["train"]["bf16"]) and device != "cpu"
+        n_prompts, new_tokens = EVAL_DEFAULTS[args.preset][family]
+        torch.set_num_threads(args.ref_threads or (1 if cores <= 4 else 4))
+        t0 = time.perf_counter()
+        ev = evaluate(path, corpus, device=device, bf16=bf16, seq_len=seq_len, batch=16, eval_tokens=args.eval_tokens,
+                      prompts=args.prompts or n_prompts, max_new_tokens=args.max_new_tokens or new_tokens,
+                      tune_new_tokens=args.max_new_tokens or new_tokens, deadline=deadline_at)
+        ev["eval_seconds"] = round(time.perf_counter() - t0, 1)
+        results["models"][family] = {"checkpoint": str(path), "training": training, "eval": ev}
+        png = args.out / f"{family}-{args.preset}-eval.png"
+        if plot(ev, png, training):
+            print(f"wrote {png}")
+        (args.out / "results-eval.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out / 'results-eval.json'}")
     return 0
 
 

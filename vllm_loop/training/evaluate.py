@@ -80,7 +80,10 @@ def run_loopspec(ref, prompts, d1, d2, params, max_new_tokens: int, seed: int = 
 
 def evaluate(path, corpus: Corpus, *, device: str = "cpu", bf16: bool = False, seq_len: int = 128, batch: int = 16,
              eval_tokens: int | None = None, prompts: int = 8, prompt_tokens: int = 24, max_new_tokens: int = 32,
-             tune_new_tokens: int = 32, top_p: float = 0.7, temperature: float = 1.0, say=print) -> dict:
+             tune_new_tokens: int = 32, top_p: float = 0.7, temperature: float = 1.0, say=print,
+             deadline: float | None = None) -> dict:
+    """``deadline``: a ``time.perf_counter()`` value; LoopSpec runs that would likely end after it
+    are skipped (and listed under ``"skipped"``), so a time-limited job ends with its results."""
     from tokenizers import Tokenizer
 
     from vllm_loop.loopspec.proposals import SamplingParams
@@ -130,10 +133,21 @@ def evaluate(path, corpus: Corpus, *, device: str = "cpu", bf16: bool = False, s
     result["tune_seconds"] = round(time.perf_counter() - t0, 2)
 
     # 3. LoopSpec acceptance
-    result["loopspec"] = []
+    result["loopspec"], result["skipped"] = [], []
+    durations: list[float] = []
     for name, d1, d2 in _schedules(tune_result, R):
         for mode, p in (("greedy", SamplingParams(0.0)), (f"T={temperature} top-p={top_p}", params)):
-            s = run_loopspec(ref, ids, d1, d2, p, max_new_tokens)
+            if deadline is not None:
+                left = deadline - time.perf_counter()
+                if left < (1.3 * max(durations) if durations else 20.0):
+                    result["skipped"].append({"d1": d1, "d2": d2, "mode": mode, "reason": f"deadline ({left:.0f} s left)"})
+                    say(f"LoopSpec R={R} d1={d1} d2={d2 if d2 else '-'} ({name}), {mode}: skipped, {left:.0f} s left")
+                    continue
+            t_run = time.perf_counter()
+            # greedy LoopSpec == ordinary decoding is checked once per model (it costs a full decode)
+            check = p.greedy and not any("greedy_identical_to_full_depth" in r for r in result["loopspec"])
+            s = run_loopspec(ref, ids, d1, d2, p, max_new_tokens, check_greedy=check)
+            durations.append(time.perf_counter() - t_run)
             s.update(schedule_name=name, mode=mode)
             tokens = s.pop("tokens")
             if mode == "greedy" and "samples" not in result:

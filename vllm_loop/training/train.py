@@ -501,7 +501,7 @@ def training_record(res: TrainResult, m: ModelSpec, t: TrainSpec, corpus: Corpus
 
 
 # -- presets --------------------------------------------------------------------------------------------
-# tiny: CPU (the demo and tests); h200: one H200, 170 s of training per model (both models plus their
+# tiny: CPU (the demo and tests); h200: one H200, 150 s of training per model (both models plus their
 # evaluation fit one 10-minute call).
 PRESETS: dict[str, dict[str, tuple[ModelSpec, TrainSpec]]] = {
     "tiny": {
@@ -513,11 +513,11 @@ PRESETS: dict[str, dict[str, tuple[ModelSpec, TrainSpec]]] = {
     },
     "h200": {
         "ouro": (ModelSpec("ouro", hidden=512, heads=8, intermediate=1536, vocab=8192, depth=4, layers=8),
-                 TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=170, lr=1.5e-3, warmup_steps=100,
+                 TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=150, lr=1.5e-3, warmup_steps=100,
                            dropout=0.1, gate_steps=200, eval_every=100, eval_tokens=65536, log_every=50, bf16=True)),
         "raven": (ModelSpec("raven", hidden=512, heads=8, intermediate=1536, vocab=8192, depth=32, prelude=2, core=4,
                             coda=2, train_recurrence=32, backprop_depth=8),
-                  TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=170, lr=1.5e-3, warmup_steps=100,
+                  TrainSpec(seq_len=256, batch=64, steps=None, time_budget_s=150, lr=1.5e-3, warmup_steps=100,
                             dropout=0.1, eval_every=100, eval_tokens=65536, log_every=50, bf16=True)),
     },
 }
