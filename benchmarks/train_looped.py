@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                     help="evaluate these trained checkpoint folders instead of training (family from config.json)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for the whole command; LoopSpec runs that would end later are skipped "
-                         "(h200 preset: 560, to end inside a 10-minute job)")
+                         "(h200 preset: 550, to end inside a 10-minute job)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "corpus": {"file": str(corpus.path), "sha256": corpus.sha256,
                                                       "license": corpus.license}, "models": {}}
     t_all = time.perf_counter()
-    deadline = args.deadline if args.deadline is not None else (560.0 if args.preset == "h200" else None)
+    deadline = args.deadline if args.deadline is not None else (550.0 if args.preset == "h200" else None)
     deadline_at = None if deadline is None else t_all + deadline
     if args.eval_only:
         return eval_only(args, corpus, device, results, deadline_at)
@@ -101,6 +101,10 @@ def main(argv=None) -> int:
             overrides["eval_tokens"] = args.eval_tokens
         m, t = preset(args.preset, family, **overrides)
         print(f"\n=== {family}: {m}\n    {t}", flush=True)
+        # leave the models still to come their training budget plus a minute of evaluation
+        later = args.models[args.models.index(family) + 1:]
+        reserve = sum(preset(args.preset, f, **overrides)[1].time_budget_s + 60 for f in later)
+        model_deadline = None if deadline_at is None else deadline_at - reserve
         path = (args.ckpt_dir or args.out) / f"{family}-{args.preset}"
         path.parent.mkdir(parents=True, exist_ok=True)
         res = train(m, t, corpus, path, device=device, progress=not args.no_progress)
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
             n_prompts, new_tokens = args.prompts or n_prompts, args.max_new_tokens or new_tokens
             ev = evaluate(path, corpus, device=device, bf16=t.bf16, seq_len=t.seq_len, batch=t.batch,
                           eval_tokens=args.eval_tokens, prompts=n_prompts, max_new_tokens=new_tokens,
-                          tune_new_tokens=new_tokens, deadline=deadline_at)
+                          tune_new_tokens=new_tokens, deadline=model_deadline)
             torch.set_num_threads(before)
             ev["eval_seconds"] = round(time.perf_counter() - t0, 1)
             print(f"[{family}] evaluation took {ev['eval_seconds']:.0f} s", flush=True)
