@@ -375,7 +375,6 @@ def train(m: ModelSpec, t: TrainSpec, corpus: Corpus, out: Path, *, device: str 
     g_depth = torch.Generator().manual_seed(t.seed + 2)
     g_state = torch.Generator(device=device).manual_seed(t.seed + 3)
     res = TrainResult(path=Path(out), family=m.family, config=config, device=str(device))
-    emit = log or (print if verbose else (lambda s: None))
     total = t.steps if t.steps is not None else 10**9
     bar = _Progress(t.steps, f"train {m.family}", progress)
     say = (lambda s: (bar.write(s), log(s) if log else None)) if verbose else (lambda s: log(s) if log else None)
