@@ -136,8 +136,9 @@ class CheckpointError(ValueError):
     """Bad factory input; the message names the field and the allowed values."""
 
 
-def train_tokenizer(spec: TokenizerSpec, vocab_size: int):
-    """Byte-level BPE trained on the shipped corpus; deterministic for a given spec and size."""
+def train_tokenizer(spec: TokenizerSpec, vocab_size: int, texts=None):
+    """Byte-level BPE trained on ``texts`` (an iterable of strings; default: the lines of the shipped
+    corpus); deterministic for a given spec, size and text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -150,7 +151,7 @@ def train_tokenizer(spec: TokenizerSpec, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    tok.train_from_iterator(CORPUS.read_text().splitlines() if texts is None else texts, trainer=trainer)
     if spec.appended:
         tok.add_tokens(list(spec.appended))
     if spec.add_bos and spec.bos:
@@ -220,17 +221,41 @@ def make_checkpoint(
     ``weights=False`` writes everything but model.safetensors: a full-size config to serve with
     random weights (``load_format="dummy"``) in benchmarks.
     """
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise CheckpointError(f"--out {out}: the parent folder {out.parent} does not exist")
+    ckpt, spec, tok = plan_checkpoint(family_name, seed=seed, options=options, tokenizer_vocab=tokenizer_vocab,
+                                      weights=weights, **overrides)
+    write_checkpoint(out, ckpt, spec, tok, weights=weights)
+    return out
+
+
+def plan_checkpoint(
+    family_name: str,
+    *,
+    seed: int = 0,
+    options: dict[str, str] | None = None,
+    tokenizer_vocab: int = 512,
+    weights: bool = True,
+    texts=None,
+    tokenizer=None,
+    **overrides: Any,
+) -> tuple[Checkpoint, TokenizerSpec, Any]:
+    """What ``make_checkpoint`` writes, in memory: ``(checkpoint, tokenizer spec, tokenizer)``.
+
+    ``texts`` trains the tokenizer on other text than the shipped corpus (the trained models of
+    ``vllm_loop.training`` pass their corpus), ``tokenizer`` reuses one trained before for the
+    same family; ``weights=False`` gives meta tensors (names and shapes only), for a caller that
+    brings its own weights.
+    """
     _load_families()
     if family_name not in FAMILIES:
         raise CheckpointError(f"--family {family_name!r} is unknown; allowed: {', '.join(sorted(FAMILIES))}")
     fam = FAMILIES[family_name]
-    out = Path(out)
-    if not out.parent.is_dir():
-        raise CheckpointError(f"--out {out}: the parent folder {out.parent} does not exist")
     chosen = _check_options(fam, {k: str(v) for k, v in (options or {}).items()})
 
     spec = fam.tokenizer(chosen)
-    tok = train_tokenizer(spec, tokenizer_vocab)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(spec, tokenizer_vocab, texts)
     token_ids = {t: tok.token_to_id(t) for t in [*spec.special, *spec.appended]}
     ctx = BuildContext(
         seed=seed,
@@ -241,10 +266,15 @@ def make_checkpoint(
         generator=torch.Generator().manual_seed(seed),
         meta=not weights,
     )
-    ckpt = fam.build(ctx)
+    return fam.build(ctx), spec, tok
 
+
+def write_checkpoint(out: Path, ckpt: Checkpoint, spec: TokenizerSpec, tok, *, weights: bool = True) -> Path:
+    """Write a checkpoint folder: model.safetensors (tensors cast to the config's ``torch_dtype``),
+    config.json, generation_config.json, extra files, and the tokenizer files."""
     from safetensors.torch import save_file
 
+    out = Path(out)
     out.mkdir(exist_ok=True)
     dtype = _dtype_of(ckpt.config)
     if weights:
