@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from vllm_loop.unsupported import SUPPORTED_VLLM
 
-SUPPORTED_VLLM = "0.26."
+logger = logging.getLogger(__name__)
 
 
 def _check_version() -> bool:
+    """True on the vLLM these hooks are written for. On any other, ``plugin.register`` maps the
+    plugin's architectures to a model that refuses to start (``vllm_loop/unsupported.py``)."""
     import vllm
 
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        logger.warning("vllm-loop is built for vLLM %sx, found %s: its vLLM hooks are not installed",
-                       SUPPORTED_VLLM, vllm.__version__)
-        return False
-    return True
+    return vllm.__version__.startswith(SUPPORTED_VLLM)
 
 
 def install_config_verifiers() -> None:
