@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from vllm_loop.testing.engines import check_ouro_early_exit, start_llm, stop_llm, worker_facts
+from vllm_loop.testing.engines import check_ouro_early_exit, start_llm, stop_llm, worker_facts, worker_functions
 from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on the H200)")
@@ -18,16 +18,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an 
 def test_plugin_smoke_on_gpu(ckpt_factory):
     from vllm import SamplingParams
 
-    llm = start_llm(ckpt_factory("llama"))
-    try:
-        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-        assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
-        (facts,) = llm.collective_rpc(worker_facts)
-        assert facts["registered"] and facts["pid"] != os.getpid()
-        assert "RavenForCausalLM" in facts["plugin_archs"]
-        print("GPU smoke:", facts, [list(o.outputs[0].token_ids) for o in outs])
-    finally:
-        stop_llm(llm)
+    with worker_functions():  # collective_rpc(worker_facts) below
+        llm = start_llm(ckpt_factory("llama"))
+        try:
+            outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+            (facts,) = llm.collective_rpc(worker_facts)
+            assert facts["registered"] and facts["pid"] != os.getpid()
+            assert "RavenForCausalLM" in facts["plugin_archs"]
+            print("GPU smoke:", facts, [list(o.outputs[0].token_ids) for o in outs])
+        finally:
+            stop_llm(llm)
 
 
 def test_ouro_parity_compiled_cuda_graphs(ckpt_factory):
