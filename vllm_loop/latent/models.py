@@ -28,6 +28,7 @@ from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from vllm_loop.latent.spec import LatentSpec
+from vllm_loop.models.layers import check_weights_loaded, stacked_target
 
 
 class LatentInjectMixin:
@@ -56,7 +57,29 @@ class LatentInjectMixin:
 
     def load_weights(self, weights):
         # COCONUT / LOTUS training checkpoints wrap the HF model as ``base_causallm``.
-        return super().load_weights(_strip(weights, "base_causallm."))
+        filled = self._load_base(_strip(weights, "base_causallm."))
+        check_weights_loaded(self, filled)  # vLLM's own check passes a checkpoint missing a linear weight
+        return {name for name, _ in filled}
+
+    def _load_base(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, object]]:
+        """Load HF-named tensors with the base model's own loader; returns ``(parameter, shard)``
+        for each tensor it took (a fused q/k/v or gate/up parameter is filled shard by shard)."""
+        seen: list[str] = []
+
+        def record(it):
+            for name, tensor in it:
+                seen.append(name)
+                yield name, tensor
+
+        loaded = set(super().load_weights(record(weights)))
+        filled = []
+        for name in seen:
+            param, shard = stacked_target(name)
+            if param not in loaded and f"transformer.{param}" in loaded:  # vLLM's GPT-2 adds the prefix
+                param = f"transformer.{param}"
+            if param in loaded:
+                filled.append((param, shard))
+        return filled
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         if inputs_embeds is None:
@@ -125,7 +148,7 @@ class CodiMixin(LatentInjectMixin):
     def latent_feedback(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.prj(hidden)
 
-    def load_weights(self, weights):
+    def _load_base(self, weights):
         from vllm_loop.latent.lora import merge_lora
 
         tensors = dict(weights)  # LoRA pairs must be seen together; CODI checkpoints are small
@@ -134,15 +157,15 @@ class CodiMixin(LatentInjectMixin):
             tensors, lora_r=codi["lora_r"], lora_alpha=codi["lora_alpha"],
             fan_in_fan_out=bool(codi.get("lora_fan_in_fan_out")), prefix=codi.get("weights_prefix", ""),
         )
-        loaded = set(super().load_weights(merged.items()))
+        filled = super()._load_base(merged.items())
         params = dict(self.prj.named_parameters())
         for name, tensor in tensors.items():
             if name.startswith("prj."):
                 key = name[len("prj."):]
                 key = key if key.startswith("ln.") else f"layers.{key}"
                 params[key].data.copy_(tensor.to(params[key].dtype))
-                loaded.add(f"prj.{key}")
-        return loaded
+                filled.append((f"prj.{key}", None))
+        return filled
 
 
 class CODIGPT2LMHeadModel(CodiMixin, GPT2LMHeadModel):
