@@ -34,9 +34,7 @@ from vllm_loop.loopspec.metrics import LoopSpecStats, batch_size_summary, format
 from vllm_loop.loopspec.proposals import (
     SamplingParams,
     filter_probs,
-    sample_from,
     sample_token,
-    second_proposal,
     total_variation,
     uniform_source,
 )
@@ -47,6 +45,8 @@ from vllm_loop.loopspec.verify import (
     cascade_verify,
     cascade_verify_greedy,
     double_rejection_probability,
+    propose_first,
+    propose_second,
 )
 from vllm_loop.reference.kv import LaneKV, SequenceKV
 
@@ -347,8 +347,8 @@ class PipelinedExecutor:
         if st.params.greedy:
             x1, q1 = value, None
         else:
-            q1 = value
-            x1 = sample_from(q1, st.uniform())
+            first = propose_first(value, st.uniform)
+            x1, q1 = first.token, first.dist
         child = st.tree.spawn(lane, x1, CommitSource.FIRST)
         lane.first = Proposed(x1, q1, child)
         return child
@@ -363,12 +363,11 @@ class PipelinedExecutor:
                 return None
             x2, q2 = top, None
         else:
-            q2_tilde = value
-            lane.q2_tilde = q2_tilde
-            q2 = second_proposal(q2_tilde, q1, x1, gate=self.schedule.gate)
-            if q2 is None:
+            lane.q2_tilde = value
+            second = propose_second(value, Proposal(x1, q1), st.uniform, gate=self.schedule.gate)
+            if second is None:
                 return None
-            x2 = sample_from(q2, st.uniform())
+            x2, q2 = second.token, second.dist
         st.stats.gate_opens += 1
         st.stats.second_proposals += 1
         child = st.tree.spawn(lane, x2, CommitSource.SECOND)
