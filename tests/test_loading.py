@@ -1,8 +1,11 @@
-"""Loading: every plugin model refuses a checkpoint that lacks a tensor it needs, naming it.
+"""Plugin models built with vLLM's own constructors, no engine (in a subprocess:
+``vllm_loop.testing.inprocess``): what they refuse at load time and what they allocate.
 
-vLLM 0.26's loader counts every parameter of a linear layer as loaded whether or not it was, so
-without our own check a checkpoint missing one ``down_proj`` serves a random matrix. The models are
-built in a subprocess with vLLM's own constructors (``vllm_loop.testing.inprocess``), no engine.
+* Every model refuses a checkpoint that lacks a tensor it needs, naming it. vLLM 0.26's loader
+  counts every parameter of a linear layer as loaded whether or not it was, so without our own
+  check a checkpoint missing one ``down_proj`` serves a random matrix.
+* LOTUS runs without chunked prefill (max_num_batched_tokens = max_model_len): its persistent
+  buffers must not grow with the context length.
 """
 
 from __future__ import annotations
@@ -62,3 +65,37 @@ def test_missing_tensor_fails_naming_it(ckpt_factory):
     models = {got["model"] for got in results}
     assert {"OuroForCausalLM", "RavenForCausalLM", "CoconutGPT2LMHeadModel", "CoconutLlamaForCausalLM",
             "CODIGPT2LMHeadModel", "CODILlamaForCausalLM", "LotusLlamaForCausalLM"} <= models
+
+
+BUFFERS = """
+import json, sys
+from vllm_loop.testing.inprocess import build_model
+out = {}
+for name, path, context in json.loads(sys.argv[1]):
+    model = build_model(path, max_model_len=context, hf_overrides={"max_position_embeddings": context})
+    config = model.vllm_config
+    out[name] = {
+        "rows": config.scheduler_config.max_num_batched_tokens,
+        "hidden": config.model_config.hf_config.hidden_size,
+        "buffers": {n: b.numel() * b.element_size() for n, b in model.named_buffers()
+                    if n in ("latent_mask", "latent_embeds", "decoder_input", "loop_row_passes")},
+    }
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_latent_buffers_do_not_scale_with_context(ckpt_factory):
+    """LOTUS at a 131072-token context (eager): no [max_model_len, hidden] buffers (before: two of
+    them, 2 x 131072 x hidden x 4 bytes; a 3B model in bf16 would hold about 1.6 GB); only the int32
+    pass count per row. COCONUT keeps one [max_num_batched_tokens, hidden] inject buffer."""
+    context = 131072
+    jobs = [("lotus", ckpt_factory("lotus"), context), ("coconut", ckpt_factory("coconut"), 4096)]
+    res = subprocess.run([sys.executable, "-c", BUFFERS, json.dumps(jobs)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    lotus, coconut = out["lotus"], out["coconut"]
+    assert lotus["rows"] >= context  # no chunked prefill: one step may hold a whole prompt
+    assert lotus["buffers"] == {"latent_mask": 0, "latent_embeds": 0, "decoder_input": 0,
+                                "loop_row_passes": 4 * lotus["rows"]}
+    assert coconut["buffers"]["latent_embeds"] == coconut["rows"] * coconut["hidden"] * 4
+    assert coconut["buffers"]["decoder_input"] == 0 and coconut["buffers"]["loop_row_passes"] == 0

@@ -42,12 +42,21 @@ class LatentInjectMixin:
         rows = vllm_config.scheduler_config.max_num_batched_tokens
         hidden = config.hidden_size
         dtype = vllm_config.model_config.dtype
-        self.register_buffer("latent_mask", torch.zeros(rows, dtype=torch.bool), persistent=False)
-        self.register_buffer("latent_embeds", torch.zeros(rows, hidden, dtype=dtype), persistent=False)
-        # The decoder's input lives in a persistent buffer too: captured graphs read fixed addresses.
-        self.register_buffer("decoder_input", torch.zeros(rows, hidden, dtype=dtype), persistent=False)
+        feedback = self.latent_spec is not None and self.latent_spec.kind == "feedback"
+        # Feedback models (COCONUT, CODI) inject at any row of a step: [max_num_batched_tokens, H]
+        # (bounded by --max-num-batched-tokens). LOTUS injects nothing: no rows.
+        inject_rows = rows if feedback else 0
+        self.register_buffer("latent_mask", torch.zeros(inject_rows, dtype=torch.bool), persistent=False)
+        self.register_buffer("latent_embeds", torch.zeros(inject_rows, hidden, dtype=dtype), persistent=False)
+        # The decoder's input lives in a persistent buffer for the steps CUDA graphs replay (they read
+        # fixed addresses): as many rows as the largest captured batch, none when running eager.
+        # Larger steps (prefills: max_model_len rows for LOTUS, which runs without chunked prefill)
+        # get a temporary copy instead of a [max_model_len, H] buffer held for the engine's life.
+        self.register_buffer("decoder_input", torch.zeros(_graph_rows(vllm_config), hidden, dtype=dtype),
+                             persistent=False)
         # LOTUS: rows of latent blocks, and how many in-place passes each row's request gets.
-        self.register_buffer("loop_row_passes", torch.zeros(rows, dtype=torch.int32), persistent=False)
+        self.register_buffer("loop_row_passes", torch.zeros(0 if feedback else rows, dtype=torch.int32),
+                             persistent=False)
         self.loop_passes = 0  # set by the driver for the one forward that needs it; 0 = plain step
         self.loop_add = (getattr(config, "lotus", None) or {}).get("latent_injection_mode", "add") == "add"
 
@@ -85,9 +94,15 @@ class LatentInjectMixin:
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         n = inputs_embeds.shape[0]
-        step_input = torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds)
-        x = self.decoder_input[:n]
-        x.copy_(step_input)
+        if self.latent_embeds.shape[0]:
+            step_input = torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds)
+        else:
+            step_input = inputs_embeds
+        if n <= self.decoder_input.shape[0]:
+            x = self.decoder_input[:n]
+            x.copy_(step_input)
+        else:
+            x = step_input.clone()  # never the caller's tensor: the decoder may write into its input
         hidden = super().forward(None, positions, intermediate_tensors, x)
         for p in range(1, self.loop_passes + 1):
             # The decoder may update its input buffer in place (fused residual add + norm), so the
@@ -98,6 +113,15 @@ class LatentInjectMixin:
             x.copy_(step_input)
             hidden = super().forward(None, positions, intermediate_tensors, x)
         return hidden
+
+
+def _graph_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the largest batch a CUDA graph is captured for (0 when none are)."""
+    cc = vllm_config.compilation_config
+    mode = getattr(cc, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", "NONE") == "NONE":
+        return 0
+    return min(int(cc.max_cudagraph_capture_size or 0), vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def _strip(weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
