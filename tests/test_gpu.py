@@ -102,7 +102,7 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
     batch = [(p, b) for p in prompts for b in budgets]
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, extra_args={"latent_budget": b})
               for _, b in batch]
-    runs = {}
+    runs, prompts_shown = {}, {}
     for mode, eager in (("graphs", False), ("eager", True)):
         llm = start_llm(path, enforce_eager=eager, max_model_len=256, **({"async_scheduling": False} if eager else {}))
         try:
@@ -110,11 +110,14 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
             assert config.scheduler_config.async_scheduling is (not eager)
             if not eager:
                 assert config.compilation_config.cudagraph_mode.has_full_cudagraphs()
-            runs[mode] = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p, _ in batch], params)]
+            outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params)
+            runs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+            prompts_shown[mode] = [list(o.prompt_token_ids) for o in outs]
         finally:
             stop_llm(llm)
     assert runs["graphs"] == runs["eager"]
-    for (p, b), got in zip(batch, runs["graphs"]):
-        skip = spec.appended_tokens(b) if spec.kind == "feedback" else 0
-        assert got[skip:] == ref.generate(p, latent_budget=b, max_new_tokens=16, ignore_eos=True)[0]
+    for (p, b), got, shown in zip(batch, runs["graphs"], prompts_shown["graphs"]):
+        # the answer only; the latent phase ends the prompt (vllm_loop/latent/spec.py)
+        assert got == ref.generate(p, latent_budget=b, max_new_tokens=16, ignore_eos=True)[0]
+        assert shown[: len(p)] == p and spec.phase_budget(shown) == b
     print(f"GPU latent {name}: {len(batch)} requests, CUDA graphs + async scheduling == eager + sync == reference")
