@@ -1,11 +1,16 @@
 """A latent model over the OpenAI API (`vllm serve`): the answer in `text` / `content`, `max_tokens`
 bounding it, the latent phase on the prompt side (`prompt_token_ids`, `usage.prompt_tokens`);
 `latent_budget` in `vllm_xargs` changes the latent steps, bad values get a 400 naming the field and
-its range, and the server keeps serving."""
+its range, and the server keeps serving.
+
+The server runs the README's example on a released-format COCONUT checkpoint (base config and
+tokenizer + the training ``checkpoint_6``) converted with ``python -m vllm_loop.convert``."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +29,12 @@ def coconut_server(ckpt_factory, tmp_path_factory):
     from vllm_loop.latent.spec import LatentSpec
     from vllm_loop.reference.latent import load_latent_reference
 
-    path = ckpt_factory("coconut")
     tmp = tmp_path_factory.mktemp("latent-serve")
+    released = ckpt_factory("coconut", options={"format": "original"})
+    convert = subprocess.run([sys.executable, "-m", "vllm_loop.convert", "--family", "coconut", released,
+                              str(tmp / "coconut-gpt2")], capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0, convert.stderr[-2000:]
+    path = str(tmp / "coconut-gpt2")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
     srv = Server(path, "--chat-template", str(tmp / "chat.jinja"), log_path=str(tmp / "server.log"),
                  served_name="coconut")
