@@ -63,6 +63,44 @@ def test_ouro_parity_compiled_cuda_graphs(ckpt_factory):
         stop_llm(llm)
 
 
+RAVEN_LAYOUTS = ["huginn", "llama", "olmo2"]
+
+
+@pytest.mark.parametrize("layout", RAVEN_LAYOUTS)
+def test_raven_parity_compiled_cuda_graphs(ckpt_factory, layout):
+    """Huginn-0125 and the retrofitted Raven layouts (Llama, OLMo-2) in fp32 (Triton attention)
+    under vLLM's default compilation and full CUDA graphs: prelude, T core steps and coda banks;
+    greedy tokens equal the reference, logprobs of the chosen tokens within 1e-3."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.config import CompilationMode
+
+    from vllm_loop.reference import load_reference
+
+    path = ckpt_factory("huginn_raven", options={"layout": layout, "state_init": "seeded"})
+    llm = start_llm(path)
+    try:
+        compilation = llm.llm_engine.vllm_config.compilation_config
+        assert compilation.mode == CompilationMode.VLLM_COMPILE and compilation.cudagraph_mode.has_full_cudagraphs()
+        tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
+        prompts = [tok(p).input_ids for p in PROMPTS]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1))
+        worst = 0.0
+        for prompt, out in zip(prompts, outs):
+            got = list(out.outputs[0].token_ids)
+            assert got == ref.greedy_generate(prompt, 32), f"{layout}: prompt {prompt[:6]}..."
+            logits = ref.forward_depths(torch.tensor(prompt + got[:-1]))[ref.depth][len(prompt) - 1:]
+            want = torch.log_softmax(logits.double(), -1)
+            for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
+                worst = max(worst, abs(lp[t].logprob - want[i, t].item()))
+        assert worst < 1e-3, worst
+        print(f"GPU Raven {layout} parity (T={ref.depth}): {len(prompts)} prompts x 32 tokens identical; "
+              f"max |logprob diff| = {worst:.2e}")
+    finally:
+        stop_llm(llm)
+
+
 def test_ouro_early_exit_compiled_cuda_graphs(ckpt_factory):
     """``early_exit_threshold`` = 0.5 under compilation and CUDA graphs: each depth's state is kept
     (the next loop's fused add + norm updates its input in place on the GPU); greedy == reference."""
