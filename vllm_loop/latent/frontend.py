@@ -39,6 +39,11 @@ def prepare_request(request, spec: LatentSpec | None, max_model_len: int) -> Non
         block = [spec.latent_token_id] * spec.latent_positions(budget)
         request.prompt_token_ids = prompt + list(spec.start_token_ids) + block + list(spec.end_token_ids)
     else:
+        if getattr(params, "structured_outputs", None) is not None:
+            raise ValueError(
+                f"{LATENT_BUDGET_KEY}: structured outputs (guided decoding) are not supported for this latent "
+                "model: its latent phase is generated as forced tokens, which the grammar would constrain too"
+            )
         params.extra_args[PHASE_KEY] = appended
         params.max_tokens += appended
         if params.min_tokens:
