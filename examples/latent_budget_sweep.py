@@ -1,9 +1,9 @@
 """Test-time scaling sweep: the same questions with latent_budget = 0..N through one vLLM engine.
 
-Every budget rides in the same batch (one ``generate`` call); the latent phase is reported per
-request (COCONUT/CODI: the forced start, one placeholder per thought, end lead ``token_ids``;
-LOTUS: the latent block is appended to the prompt). Builds a tiny random checkpoint unless
-``--model`` points at a real one.
+Every budget rides in the same batch (one ``generate`` call). Each output's ``token_ids`` / ``text``
+is the answer; the latent phase (start, latent positions, end) ends its ``prompt_token_ids``, from
+which ``LatentSpec.phase_budget`` reads the budget back. Builds a tiny random checkpoint unless
+``--model`` points at a real one (a converted folder: ``python -m vllm_loop.convert``).
 
     .venv/bin/python examples/latent_budget_sweep.py --family coconut --max-budget 8
     .venv/bin/python examples/latent_budget_sweep.py --model ./CODI-gpt2 --max-budget 6
@@ -62,9 +62,8 @@ def main() -> int:
         for (q2, b), out in zip(jobs, outs):
             if q2 != q:
                 continue
-            ids = list(out.outputs[0].token_ids)
-            answer = ids[spec.appended_tokens(b):] if spec.kind == "feedback" else ids
-            print(f"  {b:>6}  {spec.latent_positions(b):>16}  {answer}")
+            ran = spec.phase_budget(out.prompt_token_ids)  # the step count, read from the output
+            print(f"  {ran:>6}  {spec.latent_positions(ran):>16}  {list(out.outputs[0].token_ids)}")
     return 0
 
 

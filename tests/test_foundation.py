@@ -6,14 +6,15 @@ import os
 
 import pytest
 
-from vllm_loop.testing.engines import start_llm, stop_llm, worker_facts
+from vllm_loop.testing.engines import start_llm, stop_llm, worker_facts, worker_functions
 
 
 @pytest.fixture(scope="module")
 def llama_llm(ckpt_factory):
-    llm = start_llm(ckpt_factory("llama"))
-    yield llm
-    stop_llm(llm)
+    with worker_functions():  # collective_rpc(worker_facts) below
+        llm = start_llm(ckpt_factory("llama"))
+        yield llm
+        stop_llm(llm)
 
 
 @pytest.mark.engine

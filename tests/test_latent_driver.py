@@ -75,3 +75,51 @@ def test_finish_frees_the_ledger():
     driver.track("a", None, num_prompt_tokens=3)
     driver.finish({"a", "unknown"})
     assert driver.requests == {}
+
+
+# -- front end: what a request becomes, and the step count read back from an output -------------------------
+LOOPED = LatentSpec(kind="looped", default_budget=2, c_thought=3, start_token_ids=(10,), end_token_ids=(11,),
+                    latent_token_id=12)
+
+
+def _request(prompt, **params):
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    return SimpleNamespace(prompt_token_ids=list(prompt), sampling_params=SamplingParams(**params))
+
+
+def test_front_end_shapes_feedback_and_looped_requests():
+    from vllm_loop.latent.frontend import PHASE_KEY, prepare_request
+
+    req = _request([1, 2, 3], max_tokens=5, extra_args={"latent_budget": 3})
+    prepare_request(req, FEEDBACK, max_model_len=64)
+    phase = FEEDBACK.appended_tokens(3)  # start, 3 thoughts, end
+    assert req.prompt_token_ids == [1, 2, 3] and req.sampling_params.max_tokens == 5 + phase
+    assert req.sampling_params.extra_args[PHASE_KEY] == phase and req.sampling_params.skip_reading_prefix_cache
+    req = _request([1, 2, 3], max_tokens=5)
+    prepare_request(req, LOOPED, max_model_len=64)
+    assert req.prompt_token_ids == [1, 2, 3, 10] + [12] * 6 + [11] and req.sampling_params.max_tokens == 5
+    assert PHASE_KEY not in req.sampling_params.extra_args
+
+
+def test_structured_outputs_are_refused_for_feedback_models_only():
+    import pytest
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_loop.latent.frontend import prepare_request
+
+    with pytest.raises(ValueError, match="structured outputs"):
+        prepare_request(_request([1, 2], structured_outputs=StructuredOutputsParams(regex="a+")), FEEDBACK, 64)
+    prepare_request(_request([1, 2], structured_outputs=StructuredOutputsParams(regex="a+")), LOOPED, 64)
+
+
+def test_phase_budget_reads_the_step_count_back():
+    for n in (0, 1, 4):
+        assert FEEDBACK.phase_budget([5, 6] + [10] + [12] * n + [11]) == n
+        assert LOOPED.phase_budget([5, 6, 10] + [12] * (3 * n) + [11]) == n
+    assert FEEDBACK.phase_budget([5, 6, 7]) is None  # no latent phase at the end
+    assert LOOPED.phase_budget([10, 12, 12, 11]) is None  # not a whole number of loops
+    two = LatentSpec(kind="feedback", default_budget=1, start_token_ids=(2, 10), end_token_ids=(11, 2))
+    assert two.phase_budget([7, 2, 10, 9, 9, 11, 2]) == 2

@@ -2,6 +2,10 @@
 
 One engine per family (module-scoped, parametrized), each with a KV cache so small that the mixed
 batch below must preempt requests: the outputs must not change.
+
+Output contract (``vllm_loop/latent/spec.py``): ``token_ids`` / ``text`` / ``logprobs`` hold the
+answer only and ``max_tokens`` bounds it; the latent phase (start, latent positions, end) ends
+``prompt_token_ids`` for every family.
 """
 
 from __future__ import annotations
@@ -53,24 +57,24 @@ def _params(budget, max_tokens=16):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
 
 
-def _latent_phase(spec, budget: int) -> list[int]:
-    """What a feedback model emits before its answer: start, one placeholder per thought, end."""
-    return list(spec.start_token_ids) + [None] * budget + list(spec.end_token_ids)
-
-
 def _check(latent, prompt: list[int], budget: int | None, out, max_tokens: int = 16) -> None:
     spec, ref = latent["spec"], latent["ref"]
     n = spec.default_budget if budget is None else budget
     answer, info = ref.generate(prompt, latent_budget=n, max_new_tokens=max_tokens, ignore_eos=True)
     got = list(out.outputs[0].token_ids)
-    if spec.kind == "feedback":
-        phase = _latent_phase(spec, n)
-        head, got = got[: len(phase)], got[len(phase):]
-        assert [h for h, p in zip(head, phase) if p is not None] == [p for p in phase if p is not None]
-        assert len(head) == len(phase), "one output per latent step"
-    else:  # LOTUS: the block was appended to the prompt by the front end
-        assert len(out.prompt_token_ids) == len(prompt) + spec.appended_tokens(n)
     assert got == answer, f"{latent['name']} budget {n}: {got} != {answer}"
+    assert len(got) <= max_tokens
+    # the latent phase ends the prompt: start tokens, one placeholder per latent position, end tokens
+    start, end = list(spec.start_token_ids), list(spec.end_token_ids)
+    shown = list(out.prompt_token_ids)
+    assert shown[: len(prompt)] == prompt and len(shown) == len(prompt) + spec.appended_tokens(n)
+    phase = shown[len(prompt):]
+    assert phase[: len(start)] == start and phase[len(phase) - len(end):] == end
+    assert len(set(phase[len(start): len(phase) - len(end)])) <= 1, "one placeholder id at latent positions"
+    assert spec.phase_budget(shown) == n
+    # the answer's text (vLLM holds back incomplete UTF-8 where a batch decode writes U+FFFD)
+    text = out.outputs[0].text.replace("\ufffd", "")
+    assert text == latent["tok"].decode(got, skip_special_tokens=True).replace("\ufffd", "")
 
 
 def _preemptions(llm) -> int:
@@ -109,3 +113,30 @@ def test_bad_budget_is_rejected_and_engine_keeps_serving(latent):
             latent["llm"].generate([{"prompt_token_ids": prompt}], [_params(bad)])
     (out,) = latent["llm"].generate([{"prompt_token_ids": prompt}], [_params(1)])
     _check(latent, prompt, 1, out)
+
+
+@pytest.mark.engine
+def test_answer_only_output_with_logprobs_n_and_stop_strings(latent):
+    """``logprobs`` align with the answer's tokens, ``n=2`` children each report the phase once, and
+    a stop string is matched in the answer only."""
+    from vllm import SamplingParams
+
+    spec, tok = latent["spec"], latent["tok"]
+    prompt = tok(QUESTIONS[1]).input_ids
+    # n > 1 needs a sampling request: top_k=1 samples the argmax, i.e. the greedy answer
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True, logprobs=2, n=2,
+                            extra_args={"latent_budget": 3})
+    (out,) = latent["llm"].generate([{"prompt_token_ids": prompt}], params)
+    answer, _ = latent["ref"].generate(prompt, latent_budget=3, max_new_tokens=8, ignore_eos=True)
+    assert len(out.outputs) == 2 and len(out.prompt_token_ids) == len(prompt) + spec.appended_tokens(3)
+    for o in out.outputs:
+        assert list(o.token_ids) == answer
+        assert len(o.logprobs) == len(answer)
+        assert all(t in lp for t, lp in zip(answer, o.logprobs)), "logprobs of the answer's own tokens"
+    # a stop string taken from the answer's text: the output stops at its first occurrence
+    full = out.outputs[0].text
+    stop = full.strip()[-2:]
+    if stop:
+        (out,) = latent["llm"].generate([{"prompt_token_ids": prompt}], [SamplingParams(
+            max_tokens=8, temperature=0.0, ignore_eos=True, stop=[stop], extra_args={"latent_budget": 3})])
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == full[: full.index(stop)]

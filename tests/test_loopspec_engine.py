@@ -22,7 +22,15 @@ from collections import Counter
 
 import pytest
 
-from vllm_loop.testing.engines import free_kv_blocks, greedy_jobs, lane_census, run_jobs, start_llm, stop_llm
+from vllm_loop.testing.engines import (
+    free_kv_blocks,
+    greedy_jobs,
+    lane_census,
+    run_jobs,
+    start_llm,
+    stop_llm,
+    worker_functions,
+)
 
 ALPHA = 1e-3
 KV_BYTES = 2**28
@@ -30,15 +38,14 @@ KV_BYTES = 2**28
 
 @pytest.fixture(scope="module", autouse=True)
 def _in_process_engines():
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with worker_functions():  # collective_rpc with our functions (lane census, counters)
+        yield
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def _engine(path, spec=None, **kw):

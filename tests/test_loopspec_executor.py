@@ -35,7 +35,8 @@ def _requests(n_new: int, **kw) -> list[GenerationRequest]:
 
 
 # -- toy model --------------------------------------------------------------------------------------------------
-TOY_SCHEDULES = [(4, 1, None), (4, 1, 2), (8, 2, 4), (8, 2, None), (12, 2, 6), (16, 4, 8)]
+TOY_SCHEDULES = [(4, 1, None), (4, 1, 2), (8, 2, 4), (8, 2, None), (12, 2, 6), (16, 4, 8),
+                 (8, 3, 6), (7, 2, 4), (8, 3, None)]  # the last three: R not a multiple of d1
 
 
 @pytest.mark.parametrize("R, d1, d2", TOY_SCHEDULES)
@@ -89,7 +90,7 @@ def test_eos_and_lengths():
     assert out.tokens[2] == baseline_generate(model, reqs[2])
 
 
-@pytest.mark.parametrize("R, d1, d2", [(4, 1, 2), (8, 2, 4), (32, 4, 8), (32, 2, 8)])
+@pytest.mark.parametrize("R, d1, d2", [(4, 1, 2), (8, 2, 4), (32, 4, 8), (32, 2, 8), (8, 3, 6), (7, 2, 4), (32, 3, 9)])
 def test_capacity_bound_is_reached_without_gate_and_never_exceeded(R, d1, d2):
     """Ungated sampling proposes at d1 and d2 from every lane: before the first commit the tree grows
     exactly as the births recurrence says, so the peak lane count is the bound (249 for 2:8)."""
@@ -180,6 +181,21 @@ def test_raven_greedy_identical(raven_models, kind, d1, d2):
         assert max(o.stats.lanes_per_step) <= LoopSpecSchedule(32, d1, d2).max_lanes
     if kind != "random":
         assert out.stats.gamma > 4
+
+
+@pytest.mark.parametrize("kind", ["random", "agreement"])
+@pytest.mark.parametrize("d1, d2", [(3, 6), (3, None), (5, None)])
+def test_raven_schedule_with_d1_not_dividing_R(ckpt_factory, kind, d1, d2):
+    """R = 8 with d1 = 3 (or 5): lanes are verified between two of their children's births; greedy
+    output is still token-identical and the lane count stays within the (ceil) capacity bound."""
+    options = {"layout": "llama", "state_init": "seeded", **({"agreement": "0.5"} if kind == "agreement" else {})}
+    model = load_reference(ckpt_factory("huginn_raven", options=options, mean_recurrence=8))
+    assert model.depth == 8
+    out = _check_greedy(model, ("raven-8", kind), 8, d1, d2, _requests(10)[:3])  # check_capacity asserts the bound
+    bound = LoopSpecSchedule(8, d1, d2).max_lanes
+    assert max(max(o.stats.lanes_per_step) for o in out.outputs) <= bound
+    if kind == "agreement":
+        assert out.stats.first > 0
 
 
 # -- sampling: distribution of whole token sequences ----------------------------------------------------------

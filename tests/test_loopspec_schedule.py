@@ -18,7 +18,6 @@ from vllm_loop.loopspec.verify import CommitSource
         ({"R": 4, "d1": 2, "d2": 1}, "d1 must be < d2"),
         ({"R": 32, "d1": 2, "d2": 32}, "d2 must be < R"),
         ({"R": 32, "d1": 2, "d2": 40}, "d2 must be < R"),
-        ({"R": 32, "d1": 3}, "R must be a multiple of d1"),
         ({"R": 32, "d1": 2, "d2": 7}, "d2 must be a multiple of d1"),
         ({"R": 4, "d1": -1}, "d1=-1 is invalid: d1 must be >= 1"),
         ({"R": 4, "d1": 0}, "d1=0 is invalid: d1 must be >= 1"),
@@ -36,12 +35,17 @@ def test_bad_schedules_name_the_rule(kwargs, rule):
     assert rule in str(e.value)
 
 
-@pytest.mark.parametrize("R, d1, d2", [(4, 1, None), (4, 1, 2), (32, 2, 8), (32, 4, 8), (32, 2, 10), (32, 2, None)])
+@pytest.mark.parametrize(
+    "R, d1, d2",
+    [(4, 1, None), (4, 1, 2), (32, 2, 8), (32, 4, 8), (32, 2, 10), (32, 2, None),
+     # R need not be a multiple of d1 (the paper asks d1 < d2 < R and d1 | d2 only)
+     (8, 3, 6), (32, 3, None), (32, 3, 9), (32, 5, 30), (4, 3, None)],
+)
 def test_good_schedules(R, d1, d2):
     s = LoopSpecSchedule(R, d1, d2)
     assert s.readout_depths == ((d1, R) if d2 is None else (d1, d2, R))
     assert s.single == (d2 is None)
-    assert s.intervals == R // d1
+    assert s.intervals == -(-R // d1)  # ceil(R / d1)
 
 
 # -- capacity -------------------------------------------------------------------------------------------------
@@ -54,6 +58,10 @@ def test_good_schedules(R, d1, d2):
         (32, 2, 10, None, 139),  # Raven 2:10
         (32, 4, 8, (1, 1, 2, 3, 5, 8, 13, 21), 54),  # Raven 4:8
         (4, 1, None, (1, 1, 1, 1), 4),
+        (8, 3, 6, (1, 1, 2), 4),  # lanes 0, 3 and 6 steps behind a root at depth <= 7
+        (8, 3, None, (1, 1, 1), 3),
+        (32, 3, 9, (1, 1, 1, 2, 3, 4, 6, 9, 13, 19, 28), 87),
+        (7, 2, 4, (1, 1, 2, 3), 7),
     ],
 )
 def test_capacity_bounds(R, d1, d2, births, total):
@@ -86,8 +94,9 @@ def test_from_config_errors():
         LoopSpecSchedule.from_config({"d2": 2}, depth=4)
     with pytest.raises(ValueError, match="method must be 'loopspec'"):
         LoopSpecSchedule.from_config({"method": "eagle", "d1": 1}, depth=4)
-    with pytest.raises(ValueError, match="R must be a multiple of d1"):
-        LoopSpecSchedule.from_config({"d1": 3}, depth=32)
+    with pytest.raises(ValueError, match="d2 must be a multiple of d1"):
+        LoopSpecSchedule.from_config({"d1": 3, "d2": 8}, depth=32)
+    assert LoopSpecSchedule.from_config({"d1": 3}, depth=32).intervals == 11
 
 
 # -- branch tree ----------------------------------------------------------------------------------------------

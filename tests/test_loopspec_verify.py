@@ -1,10 +1,24 @@
-"""Proposals, gate and cascade verification: exact losslessness, Theorem 1, the sampler itself."""
+"""Proposals, gate and cascade verification: exact losslessness, Theorem 1, the sampler itself.
+
+Losslessness is checked exactly on the production code: ``propose_first``, ``propose_second`` and
+``cascade_verify`` make decisions that are piecewise constant in their uniforms (a comparison
+``u < a``, or an inverse-CDF draw), so enumerating the intervals of each uniform gives the exact
+output distribution of the very code the executor runs. Mutants of ``verify.py`` (the known ways
+to get a residual sampler wrong) must fail the same check.
+"""
 
 from __future__ import annotations
+
+import sys
+import types
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 from scipy.stats import chisquare
+
+import vllm_loop.loopspec.verify as verify_mod
 
 from vllm_loop.loopspec.proposals import (
     SamplingParams,
@@ -26,6 +40,8 @@ from vllm_loop.loopspec.verify import (
     cascade_verify_greedy,
     double_rejection_probability,
     gate_open_probability,
+    propose_first,
+    propose_second,
 )
 
 V = 12
@@ -179,6 +195,159 @@ def test_cascade_verify_with_given_uniforms():
     assert (v.token, v.source) == (1, CommitSource.FULL)  # rho = [2/3, 1/3]: u=0.7 -> token 1
 
 
+# -- exact enumeration of the production sampler ----------------------------------------------------------
+class _Uniform(float):
+    """A uniform draw that records every threshold it is compared with (``u < a`` and friends)."""
+
+    def __new__(cls, value: float, cuts: list):
+        obj = super().__new__(cls, value)
+        obj.cuts = cuts
+        return obj
+
+    def _recorded(op):
+        def compare(self, other):
+            self.cuts.append(float(other))
+            return getattr(float, op)(float(self), float(other))
+
+        return compare
+
+    __lt__, __le__ = _recorded("__lt__"), _recorded("__le__")
+    __gt__, __ge__ = _recorded("__gt__"), _recorded("__ge__")
+
+
+def _recording_sample_from(real):
+    """``sample_from`` that also records its breakpoints (the normalised CDF) on the uniform."""
+
+    def sample_from(probs, u):
+        if isinstance(u, _Uniform):
+            cdf = probs.to(torch.float64).cumsum(0)
+            u.cuts.extend((cdf[:-1] / cdf[-1]).tolist())
+        return real(probs, u)
+
+    return sample_from
+
+
+def exact_pipeline(mod, p, q1, q2_tilde, gate=True) -> dict[tuple[int, int], float]:
+    """Exact P(committed token, commit source) of ``mod``'s propose_first -> propose_second ->
+    cascade_verify, by enumerating the intervals on which each uniform's decisions are constant.
+
+    A run with a prefix of chosen uniforms discovers the next uniform the code draws and where its
+    decisions can change (the thresholds it is compared with, the CDF it is inverted through); each
+    interval between those breakpoints is explored with its midpoint, weighted by its length."""
+    out: dict[tuple[int, int], float] = defaultdict(float)
+
+    def run(values):
+        draws: list[list[float]] = []
+
+        def uniform():
+            cuts: list[float] = []
+            value = values[len(draws)] if len(draws) < len(values) else 0.5
+            draws.append(cuts)
+            return _Uniform(value, cuts)
+
+        first = mod.propose_first(q1, uniform)
+        second = None if q2_tilde is None else mod.propose_second(q2_tilde, first, uniform, gate=gate)
+        return mod.cascade_verify(p, first, second, uniform), draws
+
+    stack = [((), 1.0)]
+    while stack:
+        values, weight = stack.pop()
+        verdict, draws = run(values)
+        if len(draws) <= len(values):  # every uniform drawn was a chosen one: a leaf
+            out[(verdict.token, int(verdict.source))] += weight
+            continue
+        edges = [0.0, *sorted({c for c in draws[len(values)] if 0.0 < c < 1.0}), 1.0]
+        for lo, hi in zip(edges, edges[1:]):
+            if hi > lo:
+                stack.append(((*values, (lo + hi) / 2), weight * (hi - lo)))
+    return out
+
+
+def _marginal(dist: dict, n: int) -> torch.Tensor:
+    m = torch.zeros(n, dtype=torch.float64)
+    for (token, _), pr in dist.items():
+        m[token] += pr
+    return m
+
+
+EXACT_V = 6
+
+
+def _exact_cases(n_cases: int = 12):
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for trial in range(n_cases):
+        params = FILTERS[trial % len(FILTERS)]
+        l1, l2, lR = (torch.randn(EXACT_V, generator=g) * (0.7 + trial % 3) for _ in range(3))
+        cases.append(tuple(filter_probs(x, params) for x in (l1, l2, lR)))
+    # degenerate corners: q1 = p, disjoint supports, q~2 = p
+    p = torch.tensor([0.5, 0.3, 0.2, 0, 0, 0], dtype=torch.float64)
+    far = torch.tensor([0, 0, 0, 0.6, 0.4, 0], dtype=torch.float64)
+    cases += [(p, far, p), (far, far, far[[5, 4, 3, 2, 1, 0]]), (p.clone(), p, far)]
+    return cases
+
+
+def _exact_check(mod, monkeypatch) -> list[str]:
+    """Every case and mode through ``mod``; returns what differs from p (empty: exact)."""
+    monkeypatch.setattr(mod, "sample_from", _recording_sample_from(mod.sample_from))
+    errors = []
+    for i, (q1, q2t, p) in enumerate(_exact_cases()):
+        for q2_mode, gate in (("q2", True), ("q2", False), (None, True)):
+            q2_tilde = q2t if q2_mode else None
+            dist = exact_pipeline(mod, p, q1, q2_tilde, gate)
+            marginal = _marginal(dist, EXACT_V)
+            if abs(float(marginal.sum()) - 1.0) > 1e-9:
+                errors.append(f"case {i} gate={gate} q2={q2_mode}: total mass {float(marginal.sum())}")
+            worst = float((marginal - p).abs().max())
+            if worst > 1e-9:
+                errors.append(f"case {i} gate={gate} q2={q2_mode}: max |P(token) - p| = {worst:.3g}")
+            restart = sum(pr for (_, src), pr in dist.items() if src == int(CommitSource.FULL))
+            expected = double_rejection_probability(p, q1, q2_tilde, gate=gate)
+            if abs(restart - expected) > 1e-9:
+                errors.append(f"case {i} gate={gate} q2={q2_mode}: P(restart) {restart:.6g} != {expected:.6g}")
+    return errors
+
+
+def test_production_cascade_is_exactly_lossless(monkeypatch):
+    """The production sampler's exact output distribution equals p in every case, and its exact
+    restart probability equals ``double_rejection_probability`` (so the analysis is checked too)."""
+    assert _exact_check(verify_mod, monkeypatch) == []
+
+
+VERIFY_SOURCE = Path(verify_mod.__file__).read_text()
+# name -> (code in verify.py, mutated code): the ways a residual sampler goes wrong.
+MUTANTS = {
+    "stage 2 tests x2 against p, not the residual": (
+        "accept_probability(rho[x2], q2[x2])", "accept_probability(p[x2], q2[x2])"),
+    "stage 3 resamples from p ⊖ q2, not (p ⊖ q1) ⊖ q2": (
+        "sample_from(residual_or(rho, q2), u())", "sample_from(residual_or(p, q2), u())"),
+    "stage 3 resamples from p ⊖ q1 (q2 not removed)": (
+        "sample_from(residual_or(rho, q2), u())", "sample_from(rho, u())"),
+    "stage 3 resamples from p": (
+        "sample_from(residual_or(rho, q2), u())", "sample_from(p, u())"),
+    "gate closed: resample from p, not p ⊖ q1": (
+        "return Verdict(sample_from(rho, u()), CommitSource.FULL)", "return Verdict(sample_from(p, u()), CommitSource.FULL)"),
+    "x2 drawn from q~2 but verified as drawn from q2": (
+        "return Proposal(sample_from(q2, uniform_source(rng)()), q2)",
+        "return Proposal(sample_from(q2_tilde, uniform_source(rng)()), q2)"),
+}
+
+
+def _mutant(name: str, monkeypatch) -> types.ModuleType:
+    old, new = MUTANTS[name]
+    assert VERIFY_SOURCE.count(old) == 1, f"mutation site for {name!r} not found once in verify.py: {old}"
+    mod = types.ModuleType(f"{verify_mod.__name__}_mutant")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)  # dataclasses look their module up
+    exec(compile(VERIFY_SOURCE.replace(old, new), verify_mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_exact_check_catches_mutant(name, monkeypatch):
+    errors = _exact_check(_mutant(name, monkeypatch), monkeypatch)
+    assert any("P(token)" in e for e in errors), f"the exact check did not see the output distribution change: {name}"
+
+
 def test_cascade_sampler_matches_p_by_chi_square():
     """The sampling path itself (not the exact formula): 8000 seeded cascades vs p (chi-square, p-value > 1e-3)."""
     g = torch.Generator().manual_seed(3)
@@ -190,10 +359,8 @@ def test_cascade_sampler_matches_p_by_chi_square():
     sources = torch.zeros(4)
     n = 8000
     for _ in range(n):
-        x1 = sample_from(q1, float(torch.rand((), generator=rng)))
-        q2 = second_proposal(q2t, q1, x1, gate=True)
-        second = None if q2 is None else Proposal(sample_from(q2, float(torch.rand((), generator=rng))), q2)
-        v = cascade_verify(p, Proposal(x1, q1), second, rng=rng)
+        first = propose_first(q1, rng)
+        v = cascade_verify(p, first, propose_second(q2t, first, rng, gate=True), rng=rng)
         counts[v.token] += 1
         sources[int(v.source)] += 1
     support = p > 0

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_loop.testing.engines import check_ouro_early_exit, kv_cache_layout, recorded_readouts, start_llm, stop_llm
+from vllm_loop.testing.engines import (
+    check_ouro_early_exit,
+    kv_cache_layout,
+    recorded_readouts,
+    start_llm,
+    stop_llm,
+    worker_functions,
+)
 from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
 CHECKPOINTS = {
@@ -39,10 +46,11 @@ def engine(request, ckpt_factory):
     path = ckpt_factory(family, options=options)
     config = json.loads((Path(path) / "config.json").read_text())
     T = _depth(config)
-    llm = start_llm(path, hf_overrides={"readout_depths": list(range(1, T + 1))}, enable_prefix_caching=False)
-    tok = AutoTokenizer.from_pretrained(path)
-    yield {"name": request.param, "llm": llm, "ref": load_reference(path), "tok": tok, "T": T, "config": config}
-    stop_llm(llm)
+    with worker_functions():  # collective_rpc(recorded_readouts / kv_cache_layout) below
+        llm = start_llm(path, hf_overrides={"readout_depths": list(range(1, T + 1))}, enable_prefix_caching=False)
+        tok = AutoTokenizer.from_pretrained(path)
+        yield {"name": request.param, "llm": llm, "ref": load_reference(path), "tok": tok, "T": T, "config": config}
+        stop_llm(llm)
 
 
 @pytest.mark.engine

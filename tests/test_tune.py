@@ -103,7 +103,11 @@ def test_rank_schedules():
     brute = min((cost_bound(d1, d2, 0.175, 1.03, 32), d1, d2) for d1, d2 in valid_schedules(32))
     assert rows[0] == brute
     assert [f for f, *_ in rows] == sorted(f for f, *_ in rows)
-    assert (1, None) in valid_schedules(4) and (1, 2) in valid_schedules(4) and len(valid_schedules(4)) == 4
+    assert set(valid_schedules(4)) == {(1, None), (1, 2), (1, 3), (2, None), (3, None)}
+    # d1 need not divide R: such schedules are ranked like the others and can be the best
+    assert {(3, None), (3, 6)} <= set(valid_schedules(8)) and (3, 9) not in valid_schedules(8)
+    assert rank_schedules(0.5, 1.0, 32)[0][1:] == (3, 15)
+    assert recommend(1.0, 1.5, 32).best_two_proposals == (3, 12)
     res = recommend(0.175, 1.03, 32)
     assert res.best == (1, 8) and res.theorem2_valid  # next to the continuous optimum (1.26, 8.85)
     assert res.to_dict()["best_two_proposals"] == {"d1": 1, "d2": 8}

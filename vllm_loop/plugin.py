@@ -6,9 +6,12 @@ inspection subprocess), so it must be idempotent and must not depend on having r
 
 from __future__ import annotations
 
+import logging
 import os
 
 from vllm_loop.latent import LATENT_ARCHITECTURES
+
+logger = logging.getLogger(__name__)
 
 # Architecture name in config.json -> "module:Class". Lazy strings: vLLM imports them on demand.
 MODELS: dict[str, str] = {
@@ -30,8 +33,17 @@ def register() -> None:
     from vllm_loop.configs import register_configs
 
     register_configs()
-    vllm_patches.install()
-    for arch, target in MODELS.items():
+    models = MODELS
+    if vllm_patches._check_version():
+        vllm_patches.install()
+    else:  # refuse to serve our architectures rather than serve them silently wrong
+        import vllm
+
+        from vllm_loop.unsupported import refusal
+
+        logger.error("%s", refusal(vllm.__version__, sorted(MODELS)))
+        models = dict.fromkeys(MODELS, "vllm_loop.unsupported:UnsupportedVLLM")
+    for arch, target in models.items():
         ModelRegistry.register_model(arch, target)
     _registered_in_pid = os.getpid()
 

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from vllm_loop.unsupported import SUPPORTED_VLLM
 
-SUPPORTED_VLLM = "0.26."
+logger = logging.getLogger(__name__)
 
 
 def _check_version() -> bool:
+    """True on the vLLM these hooks are written for. On any other, ``plugin.register`` maps the
+    plugin's architectures to a model that refuses to start (``vllm_loop/unsupported.py``)."""
     import vllm
 
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        logger.warning("vllm-loop is built for vLLM %sx, found %s: its vLLM hooks are not installed",
-                       SUPPORTED_VLLM, vllm.__version__)
-        return False
-    return True
+    return vllm.__version__.startswith(SUPPORTED_VLLM)
 
 
 def install_config_verifiers() -> None:
@@ -41,6 +39,7 @@ def install() -> None:
     install_latent_frontend()
     install_latent_runner()
     install_latent_config()
+    install_latent_outputs()
     install_loopspec()
 
 
@@ -171,6 +170,86 @@ def install_latent_config() -> None:
 
     unsupported._vllm_loop = True
     VllmConfig._get_v2_model_runner_unsupported_features = unsupported
+
+
+def install_latent_outputs() -> None:
+    """What the user receives from a feedback latent request (COCONUT, CODI): the answer only.
+
+    The engine emits the forced latent phase (start, one placeholder per thought, end) as the
+    request's first outputs; ``OutputProcessor`` (process 0, which serves ``LLM`` and the API
+    server alike) turns engine outputs into ``RequestOutput``s. Before it detokenizes, checks stop
+    strings or collects logprobs, the phase's tokens are moved from the output to the end of the
+    request's prompt, so ``text`` / ``token_ids`` / ``logprobs`` / ``usage.completion_tokens`` are
+    the answer, ``max_tokens`` / ``min_tokens`` / stop strings apply to the answer, and
+    ``prompt_token_ids`` / ``usage.prompt_tokens`` hold prompt + latent phase -- the same shape a
+    LOTUS request has (its phase is appended to the prompt up front). No output is emitted while
+    only phase tokens have arrived (a stream starts with the first answer token)."""
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+    from vllm.v1.outputs import LogprobsLists
+
+    from vllm_loop.latent.frontend import PHASE_KEY
+
+    if getattr(OutputProcessor.process_outputs, "_vllm_loop", False):
+        return
+    add_request, process_outputs, make_request_output = (
+        OutputProcessor.add_request, OutputProcessor.process_outputs, RequestState.make_request_output)
+
+    def add_request_hook(self, request, *args, **kwargs):
+        add_request(self, request, *args, **kwargs)
+        params = request.sampling_params
+        state = self.request_states.get(request.request_id)
+        phase = int(((params.extra_args or {}) if params is not None else {}).get(PHASE_KEY, 0))
+        if state is None or phase <= 0 or getattr(state, "_vllm_loop_phase", None) is not None:
+            return
+        state._vllm_loop_phase = phase  # phase tokens still to come
+        if state.max_tokens_param is not None:  # the user's max_tokens, for vLLM's request stats
+            state.max_tokens_param -= phase
+        detok = state.detokenizer
+        if getattr(detok, "min_tokens", 0):  # stop strings count answer tokens
+            detok.min_tokens = max(0, detok.min_tokens - phase)
+
+    def process_outputs_hook(self, engine_core_outputs, *args, **kwargs):
+        held = []
+        for out in engine_core_outputs:
+            state = self.request_states.get(out.request_id)
+            left = getattr(state, "_vllm_loop_phase", 0)
+            if not left:
+                continue
+            k = min(left, len(out.new_token_ids))
+            if k:
+                phase = list(out.new_token_ids[:k])
+                out.new_token_ids = list(out.new_token_ids[k:])
+                if out.new_logprobs is not None:
+                    lp = out.new_logprobs
+                    out.new_logprobs = LogprobsLists(lp.logprob_token_ids[k:], lp.logprobs[k:],
+                                                     lp.sampled_token_ranks[k:], None)
+                # a new list: n > 1 children share the request's prompt list
+                state.prompt_token_ids = list(state.prompt_token_ids or []) + phase
+                state.prompt_len = len(state.prompt_token_ids)
+                prompt_logprobs = getattr(state.logprobs_processor, "prompt_logprobs", None)
+                if prompt_logprobs is not None:
+                    for _ in phase:
+                        prompt_logprobs.append(None)
+                state._vllm_loop_phase = left - k
+            if not out.new_token_ids and out.finish_reason is None:
+                state._vllm_loop_hold = True  # only phase tokens so far: nothing to show yet
+                held.append(state)
+        try:
+            return process_outputs(self, engine_core_outputs, *args, **kwargs)
+        finally:
+            for state in held:
+                state._vllm_loop_hold = False
+
+    def make_request_output_hook(self, *args, **kwargs):
+        if getattr(self, "_vllm_loop_hold", False):
+            return None
+        return make_request_output(self, *args, **kwargs)
+
+    for hook in (add_request_hook, process_outputs_hook, make_request_output_hook):
+        hook._vllm_loop = True
+    OutputProcessor.add_request = add_request_hook
+    OutputProcessor.process_outputs = process_outputs_hook
+    RequestState.make_request_output = make_request_output_hook
 
 
 # --- LoopSpec ----------------------------------------------------------------------------------------

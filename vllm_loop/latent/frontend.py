@@ -6,9 +6,12 @@ worker. What it does to a request of a latent model (``n`` = the resolved budget
 
 * stores ``n`` and the prompt length in ``extra_args`` for the driver;
 * looped (LOTUS): appends start, ``n * c_thought`` latent tokens and end to the prompt;
-* feedback (COCONUT, CODI): raises ``max_tokens`` (and a non-zero ``min_tokens``) by the tokens of
-  the forced latent phase, so that ``max_tokens`` still bounds the answer; those tokens (start,
-  one placeholder per thought, end) lead the returned ``token_ids``, which shows the budget used;
+* feedback (COCONUT, CODI): the engine generates the forced latent phase (start, one placeholder
+  per thought, end) as its first outputs, so the engine-side ``max_tokens`` (and a non-zero
+  ``min_tokens``) is raised by that many tokens and their count is stored in ``extra_args``
+  (``PHASE_KEY``); the front end's output processing (``vllm_patches.install_latent_outputs``)
+  moves them from the output to the end of the prompt, so the user receives the answer only and
+  ``max_tokens`` bounds it -- the same shape a LOTUS request has;
 * marks the request to skip reading the prefix cache (see ``driver.py``).
 """
 
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 from vllm_loop.latent.driver import PROMPT_LEN_KEY
 from vllm_loop.latent.spec import LATENT_BUDGET_KEY, LatentSpec, resolve_latent_budget
+
+PHASE_KEY = "latent_phase_tokens"  # feedback: engine outputs that are the forced latent phase
 
 
 def prepare_request(request, spec: LatentSpec | None, max_model_len: int) -> None:
@@ -34,6 +39,12 @@ def prepare_request(request, spec: LatentSpec | None, max_model_len: int) -> Non
         block = [spec.latent_token_id] * spec.latent_positions(budget)
         request.prompt_token_ids = prompt + list(spec.start_token_ids) + block + list(spec.end_token_ids)
     else:
+        if getattr(params, "structured_outputs", None) is not None:
+            raise ValueError(
+                f"{LATENT_BUDGET_KEY}: structured outputs (guided decoding) are not supported for this latent "
+                "model: its latent phase is generated as forced tokens, which the grammar would constrain too"
+            )
+        params.extra_args[PHASE_KEY] = appended
         params.max_tokens += appended
         if params.min_tokens:
             params.min_tokens += appended

@@ -28,6 +28,7 @@ from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from vllm_loop.latent.spec import LatentSpec
+from vllm_loop.models.layers import check_weights_loaded, stacked_target
 
 
 class LatentInjectMixin:
@@ -41,12 +42,21 @@ class LatentInjectMixin:
         rows = vllm_config.scheduler_config.max_num_batched_tokens
         hidden = config.hidden_size
         dtype = vllm_config.model_config.dtype
-        self.register_buffer("latent_mask", torch.zeros(rows, dtype=torch.bool), persistent=False)
-        self.register_buffer("latent_embeds", torch.zeros(rows, hidden, dtype=dtype), persistent=False)
-        # The decoder's input lives in a persistent buffer too: captured graphs read fixed addresses.
-        self.register_buffer("decoder_input", torch.zeros(rows, hidden, dtype=dtype), persistent=False)
+        feedback = self.latent_spec is not None and self.latent_spec.kind == "feedback"
+        # Feedback models (COCONUT, CODI) inject at any row of a step: [max_num_batched_tokens, H]
+        # (bounded by --max-num-batched-tokens). LOTUS injects nothing: no rows.
+        inject_rows = rows if feedback else 0
+        self.register_buffer("latent_mask", torch.zeros(inject_rows, dtype=torch.bool), persistent=False)
+        self.register_buffer("latent_embeds", torch.zeros(inject_rows, hidden, dtype=dtype), persistent=False)
+        # The decoder's input lives in a persistent buffer for the steps CUDA graphs replay (they read
+        # fixed addresses): as many rows as the largest captured batch, none when running eager.
+        # Larger steps (prefills: max_model_len rows for LOTUS, which runs without chunked prefill)
+        # get a temporary copy instead of a [max_model_len, H] buffer held for the engine's life.
+        self.register_buffer("decoder_input", torch.zeros(_graph_rows(vllm_config), hidden, dtype=dtype),
+                             persistent=False)
         # LOTUS: rows of latent blocks, and how many in-place passes each row's request gets.
-        self.register_buffer("loop_row_passes", torch.zeros(rows, dtype=torch.int32), persistent=False)
+        self.register_buffer("loop_row_passes", torch.zeros(0 if feedback else rows, dtype=torch.int32),
+                             persistent=False)
         self.loop_passes = 0  # set by the driver for the one forward that needs it; 0 = plain step
         self.loop_add = (getattr(config, "lotus", None) or {}).get("latent_injection_mode", "add") == "add"
 
@@ -56,15 +66,43 @@ class LatentInjectMixin:
 
     def load_weights(self, weights):
         # COCONUT / LOTUS training checkpoints wrap the HF model as ``base_causallm``.
-        return super().load_weights(_strip(weights, "base_causallm."))
+        filled = self._load_base(_strip(weights, "base_causallm."))
+        check_weights_loaded(self, filled)  # vLLM's own check passes a checkpoint missing a linear weight
+        return {name for name, _ in filled}
+
+    def _load_base(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, object]]:
+        """Load HF-named tensors with the base model's own loader; returns ``(parameter, shard)``
+        for each tensor it took (a fused q/k/v or gate/up parameter is filled shard by shard)."""
+        seen: list[str] = []
+
+        def record(it):
+            for name, tensor in it:
+                seen.append(name)
+                yield name, tensor
+
+        loaded = set(super().load_weights(record(weights)))
+        filled = []
+        for name in seen:
+            param, shard = stacked_target(name)
+            if param not in loaded and f"transformer.{param}" in loaded:  # vLLM's GPT-2 adds the prefix
+                param = f"transformer.{param}"
+            if param in loaded:
+                filled.append((param, shard))
+        return filled
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         n = inputs_embeds.shape[0]
-        step_input = torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds)
-        x = self.decoder_input[:n]
-        x.copy_(step_input)
+        if self.latent_embeds.shape[0]:
+            step_input = torch.where(self.latent_mask[:n, None], self.latent_embeds[:n], inputs_embeds)
+        else:
+            step_input = inputs_embeds
+        if n <= self.decoder_input.shape[0]:
+            x = self.decoder_input[:n]
+            x.copy_(step_input)
+        else:
+            x = step_input.clone()  # never the caller's tensor: the decoder may write into its input
         hidden = super().forward(None, positions, intermediate_tensors, x)
         for p in range(1, self.loop_passes + 1):
             # The decoder may update its input buffer in place (fused residual add + norm), so the
@@ -75,6 +113,15 @@ class LatentInjectMixin:
             x.copy_(step_input)
             hidden = super().forward(None, positions, intermediate_tensors, x)
         return hidden
+
+
+def _graph_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the largest batch a CUDA graph is captured for (0 when none are)."""
+    cc = vllm_config.compilation_config
+    mode = getattr(cc, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", "NONE") == "NONE":
+        return 0
+    return min(int(cc.max_cudagraph_capture_size or 0), vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def _strip(weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
@@ -125,7 +172,7 @@ class CodiMixin(LatentInjectMixin):
     def latent_feedback(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.prj(hidden)
 
-    def load_weights(self, weights):
+    def _load_base(self, weights):
         from vllm_loop.latent.lora import merge_lora
 
         tensors = dict(weights)  # LoRA pairs must be seen together; CODI checkpoints are small
@@ -134,15 +181,15 @@ class CodiMixin(LatentInjectMixin):
             tensors, lora_r=codi["lora_r"], lora_alpha=codi["lora_alpha"],
             fan_in_fan_out=bool(codi.get("lora_fan_in_fan_out")), prefix=codi.get("weights_prefix", ""),
         )
-        loaded = set(super().load_weights(merged.items()))
+        filled = super()._load_base(merged.items())
         params = dict(self.prj.named_parameters())
         for name, tensor in tensors.items():
             if name.startswith("prj."):
                 key = name[len("prj."):]
                 key = key if key.startswith("ln.") else f"layers.{key}"
                 params[key].data.copy_(tensor.to(params[key].dtype))
-                loaded.add(f"prj.{key}")
-        return loaded
+                filled.append((f"prj.{key}", None))
+        return filled
 
 
 class CODIGPT2LMHeadModel(CodiMixin, GPT2LMHeadModel):

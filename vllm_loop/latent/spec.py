@@ -76,12 +76,22 @@ sampled in the answer (CODI: ``eot``; the original slices logits to ``[:vocab_si
 other sampled id, including the special latent ids, is an ordinary token (never re-enters
 latent mode).
 
-Output ``token_ids`` = the answer tokens only, EOS included when it stopped the request (as vLLM
-does). Start tokens, latent positions and end tokens are NOT in ``token_ids`` and do not count
-toward ``max_tokens``; they do occupy sequence positions (they count toward ``max_model_len``).
-The number of latent positions (and, for looped, passes) is reported separately. Differences
-from the originals' batch-1 ``generate``: COCONUT and LOTUS drop a final EOS from their returned
-tokens and never stop on the first answer token; we stop on EOS everywhere and keep it.
+What the user receives (``LLM.generate``, ``/v1/completions``, ``/v1/chat/completions``; all three
+families): ``text`` (chat: ``message.content``), ``token_ids`` and ``logprobs`` hold the answer
+only, EOS included when it stopped the request (as vLLM does); ``max_tokens``, ``min_tokens``, stop
+strings and ``usage.completion_tokens`` count answer tokens, so ``completion_tokens <= max_tokens``.
+Start tokens, latent positions and end tokens are reported on the prompt side, where the engine
+holds them: ``RequestOutput.prompt_token_ids`` (the OpenAI API's ``prompt_token_ids`` with
+``"return_token_ids": true``) is the prompt followed by the latent phase, and
+``usage.prompt_tokens`` counts it; the phase occupies sequence positions (it counts toward
+``max_model_len``). A latent position is recorded as a placeholder id: ``latent_token_id``
+(COCONUT and LOTUS ``<|latent|>``), else the model's pad id (CODI). The step count is visible
+there: :meth:`LatentSpec.phase_budget` reads the budget back from ``prompt_token_ids``.
+(Feedback models compute their phase in decode steps; the engine emits it as its first outputs
+and the front end moves it to the prompt side before detokenizing -- ``vllm_patches.py``.)
+Differences from the originals' batch-1 ``generate``: COCONUT and LOTUS drop a final EOS from
+their returned tokens and never stop on the first answer token; we stop on EOS everywhere and keep
+it.
 """
 
 from __future__ import annotations
@@ -160,6 +170,20 @@ class LatentSpec:
     def appended_tokens(self, budget: int) -> int:
         """All positions the engine adds before the first answer token."""
         return len(self.start_token_ids) + self.latent_positions(budget) + len(self.end_token_ids)
+
+    def phase_budget(self, prompt_token_ids) -> int | None:
+        """The latent budget a request ran with, read from the end of its output's
+        ``prompt_token_ids`` (prompt + start + latent positions + end); None if it does not end
+        with a latent phase."""
+        ids, start, end = list(prompt_token_ids), list(self.start_token_ids), list(self.end_token_ids)
+        body_end = len(ids) - len(end)
+        if body_end < len(start) or ids[body_end:] != end:
+            return None
+        for first in range(body_end - len(start), -1, -1):  # the nearest start tokens before the end
+            if ids[first : first + len(start)] == start:
+                positions = body_end - first - len(start)
+                return positions // self.c_thought if positions % self.c_thought == 0 else None
+        return None
 
     # -- config.json ----------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:

@@ -30,14 +30,7 @@ import torch
 
 from vllm_loop.loopspec.lanes import BranchTree, Lane, Proposed
 from vllm_loop.loopspec.metrics import LoopSpecStats
-from vllm_loop.loopspec.proposals import (
-    SamplingParams,
-    filter_probs,
-    sample_from,
-    second_proposal,
-    total_variation,
-    uniform_source,
-)
+from vllm_loop.loopspec.proposals import SamplingParams, filter_probs, sample_from, total_variation, uniform_source
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.loopspec.verify import (
     CommitSource,
@@ -46,6 +39,8 @@ from vllm_loop.loopspec.verify import (
     cascade_verify,
     cascade_verify_greedy,
     double_rejection_probability,
+    propose_first,
+    propose_second,
 )
 
 
@@ -157,13 +152,9 @@ class RequestPipeline:
     def _first_proposal(self, lane: Lane, value) -> Lane | None:
         if not self._room():
             return None  # no proposal: the root commits a plain sample of p_R at verification
-        if self.params.greedy:
-            x1, q1 = value, None
-        else:
-            q1 = value
-            x1 = sample_from(q1, self._uniform())
-        child = self.tree.spawn(lane, x1, CommitSource.FIRST)
-        lane.first = Proposed(x1, q1, child)
+        first = Proposal(value, None) if self.params.greedy else propose_first(value, self._uniform)
+        child = self.tree.spawn(lane, first.token, CommitSource.FIRST)
+        lane.first = Proposed(first.token, first.dist, child)
         return child
 
     def _second_proposal(self, lane: Lane, value) -> Lane | None:
@@ -172,22 +163,20 @@ class RequestPipeline:
         x1, q1, _ = lane.first
         self.stats.gate_evaluations += 1
         lane.q2_tilde = value
+        if not self._room():
+            return None  # no storage for a sibling: no second proposal, whatever the gate says
         if self.params.greedy:
             if value == x1:  # gate closed (and the residual of equal one-hots is empty)
                 return None
-            x2, q2 = value, None
+            second = Proposal(value, None)
         else:
-            q2 = second_proposal(value, q1, x1, gate=self.schedule.gate)
-            if q2 is None:
+            second = propose_second(value, Proposal(x1, q1), self._uniform, gate=self.schedule.gate)
+            if second is None:
                 return None
-        if not self._room():
-            return None  # the gate opened but there is no storage for a sibling: no second proposal
-        if not self.params.greedy:
-            x2 = sample_from(q2, self._uniform())
         self.stats.gate_opens += 1
         self.stats.second_proposals += 1
-        child = self.tree.spawn(lane, x2, CommitSource.SECOND)
-        lane.second = Proposed(x2, q2, child)
+        child = self.tree.spawn(lane, second.token, CommitSource.SECOND)
+        lane.second = Proposed(second.token, second.dist, child)
         return child
 
     # -- verification ---------------------------------------------------------------------------------------

@@ -2,17 +2,21 @@
 
 Time is counted in *recurrent steps*: one step advances every live lane of every request by one
 application of the shared block (depth t -> t+1). A lane reads out a proposal at depth d1 (always),
-evaluates the gated second proposal at depth d2, and is verified at depth R. Because d2 and R are
-multiples of d1 and a child lane starts d1 (or d2) steps behind its parent, the depths of all live
-lanes are congruent modulo d1: readouts line up, exactly as in the authors' "cycle of d1 steps"
-formulation (they advance by K = d1 iterations per cycle; we advance by one and get the same
-schedule, with metrics counted in recurrent steps as in the paper's eq. 9).
+evaluates the gated second proposal at depth d2, and is verified at depth R. Because d2 is a
+multiple of d1 and a child lane starts d1 (or d2) steps behind its parent, every live lane of a
+request sits a multiple of d1 steps behind the root: readouts line up, exactly as in the authors'
+"cycle of d1 steps" formulation (they advance by K = d1 iterations per cycle; we advance by one and
+get the same schedule, with metrics counted in recurrent steps as in the paper's eq. 9). R need not
+be a multiple of d1 (the paper asks only ``d1 < d2 < R`` and ``d1 | d2``): a lane is simply
+verified when it reaches R, between two of its children's births.
 
 Lane capacity. With both proposals always spawning (no gate), the number of lanes born in the k-th
 interval of d1 steps of one root lane's tree follows ``s_k = s_{k-1} + s_{k-m}`` with ``m = d2/d1`` and
-``s_k = 1`` for ``k < m`` (paper Section 4.3). A root lives ``R/d1`` intervals before it commits, so
-at most ``sum(s_0 .. s_{R/d1-1})`` lanes of one request are ever advanced in the same step. With d1
-alone every interval has one birth: ``R/d1`` lanes.
+``s_k = 1`` for ``k < m`` (paper Section 4.3); equivalently, the lanes ``k d1`` steps behind the root
+number ``s_k``. When a step starts, the root is at most at depth R-1, so the lanes behind it are at
+most ``floor((R-1)/d1)`` intervals back: at most ``sum(s_0 .. s_{n-1})`` lanes with
+``n = ceil(R/d1)`` intervals (``R/d1`` when d1 divides R). With d1 alone every interval has one
+birth: ``ceil(R/d1)`` lanes.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def _check_int(field: str, value, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class LoopSpecSchedule:
-    """Validated (R, d1, d2) with ``1 <= d1 < d2 < R``, ``R % d1 == 0`` and ``d2 % d1 == 0``.
+    """Validated (R, d1, d2) with ``1 <= d1 < d2 < R`` and ``d2 % d1 == 0`` (R need not be a multiple
+    of d1).
 
     ``d2=None`` is single-proposal mode. ``gate`` (default True, the paper's rule) opens the second
     proposal only when ``q~2(x1) < q1(x1)``; ``gate=False`` proposes from the residual whenever it has
@@ -50,8 +55,6 @@ class LoopSpecSchedule:
         d1 = _check_int("d1", self.d1, 1)
         if d1 >= R:
             raise ValueError(f"LoopSpec schedule: d1={d1} is invalid: d1 must be < R (R={R})")
-        if R % d1:
-            raise ValueError(f"LoopSpec schedule: R={R} is invalid: R must be a multiple of d1 (d1={d1})")
         if self.d2 is not None:
             d2 = _check_int("d2", self.d2, 1)
             if d2 <= d1:
@@ -93,12 +96,14 @@ class LoopSpecSchedule:
 
     @property
     def intervals(self) -> int:
-        """Intervals of d1 steps a lane lives before verification (R/d1, the pipeline depth)."""
-        return self.R // self.d1
+        """Intervals of d1 steps a lane lives before verification, the pipeline depth:
+        ``ceil(R/d1)`` (R/d1 when d1 divides R)."""
+        return -(-self.R // self.d1)
 
     @cached_property
     def births(self) -> tuple[int, ...]:
-        """Worst-case lanes born per interval of d1 steps in one root's tree, ``s_0 .. s_{R/d1-1}``."""
+        """Worst-case lanes born per interval of d1 steps in one root's tree, ``s_0 .. s_{n-1}`` with
+        ``n = intervals``."""
         n = self.intervals
         if self.d2 is None:
             return (1,) * n

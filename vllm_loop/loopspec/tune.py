@@ -106,10 +106,10 @@ def cost_from_tv(d1: int, d2: int | None, tv: dict[int, float], R: int) -> float
 
 
 def valid_schedules(R: int, single: bool = True) -> list[tuple[int, int | None]]:
+    """Every (d1, d2) the schedule accepts for depth R: ``1 <= d1 < R`` (any d1, also one that does
+    not divide R), ``d2`` a multiple of d1 with ``d1 < d2 < R``, and (``single``) ``d2=None``."""
     out: list[tuple[int, int | None]] = []
     for d1 in range(1, R):
-        if R % d1:
-            continue
         if single:
             out.append((d1, None))
         out.extend((d1, d2) for d2 in range(2 * d1, R, d1))

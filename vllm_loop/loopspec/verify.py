@@ -22,7 +22,14 @@ from enum import IntEnum
 
 import torch
 
-from vllm_loop.loopspec.proposals import gate_opens, residual, residual_or, sample_from, uniform_source
+from vllm_loop.loopspec.proposals import (
+    gate_opens,
+    residual,
+    residual_or,
+    sample_from,
+    second_proposal,
+    uniform_source,
+)
 
 
 class CommitSource(IntEnum):
@@ -57,6 +64,21 @@ def cascade_verify_greedy(target: int, first: int, second: int | None = None) ->
     if second is not None and second == target:
         return Verdict(target, CommitSource.SECOND)
     return Verdict(target, CommitSource.FULL)
+
+
+def propose_first(q1: torch.Tensor, rng=None) -> Proposal:
+    """The first proposal: ``x1 ~ q1`` (one uniform)."""
+    return Proposal(sample_from(q1, uniform_source(rng)()), q1)
+
+
+def propose_second(q2_tilde: torch.Tensor, first: Proposal, rng=None, gate: bool = True) -> Proposal | None:
+    """The gated residual second proposal (eq. 5-6): None when the gate stays closed (or the
+    residual is empty), else ``x2 ~ q2 = q~2 ⊖ q1`` (one uniform), carrying q2 -- the distribution
+    it was drawn from, which is what stage 2 of the cascade must divide by."""
+    q2 = second_proposal(q2_tilde, first.dist, first.token, gate=gate)
+    if q2 is None:
+        return None
+    return Proposal(sample_from(q2, uniform_source(rng)()), q2)
 
 
 def cascade_verify(p: torch.Tensor, first: Proposal, second: Proposal | None = None, rng=None) -> Verdict:
@@ -134,6 +156,8 @@ __all__ = [
     "accept_probability",
     "cascade_verify",
     "cascade_verify_greedy",
+    "propose_first",
+    "propose_second",
     "cascade_analysis",
     "cascade_output_distribution",
     "double_rejection_probability",

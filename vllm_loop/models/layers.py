@@ -8,6 +8,7 @@ applications of L weight layers get T·L cache layers, in one KV-cache group and
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 
@@ -148,15 +149,78 @@ class GatedMLP(nn.Module):
         return out
 
 
+# Checkpoint names of the shards of a fused parameter (Llama / Qwen2-style checkpoints store q, k, v
+# and gate, up separately; vLLM loads them into one matrix, shard by shard).
+STACKED_SOURCES: dict[str, dict] = {
+    ".qkv_proj.": {"q": ".q_proj.", "k": ".k_proj.", "v": ".v_proj."},
+    ".gate_up_proj.": {0: ".gate_proj.", 1: ".up_proj."},
+}
+
+
+def stacked_target(name: str) -> tuple[str, object]:
+    """``(parameter name, shard id)`` a Llama-style checkpoint tensor loads into (shard None: the
+    whole parameter), the inverse of ``STACKED_SOURCES``."""
+    for fused, sources in STACKED_SOURCES.items():
+        for shard, source in sources.items():
+            if source in name:
+                return name.replace(source, fused), shard
+    return name, None
+
+
+def _shards(module: nn.Module | None) -> tuple | None:
+    """Shard ids a fused linear layer is loaded by, or None for a parameter loaded whole."""
+    if isinstance(module, QKVParallelLinear):
+        return ("q", "k", "v")
+    if isinstance(module, MergedColumnParallelLinear):
+        return tuple(range(len(module.output_sizes)))
+    return None
+
+
+def _source_name(param: str, shard) -> str:
+    for fused, sources in STACKED_SOURCES.items():
+        if fused in param and shard in sources:
+            return param.replace(fused, sources[shard])
+    return f"{param} (shard {shard!r})"
+
+
+def check_weights_loaded(model: nn.Module, loaded: Iterable[tuple[str, object]]) -> None:
+    """Fail unless the checkpoint filled every parameter of ``model`` (every shard of a fused one).
+
+    ``loaded``: ``(parameter name, shard id or None)`` of each tensor that was loaded. vLLM 0.26's
+    own check (``DefaultModelLoader.track_weights_loading``) counts every parameter of a linear layer
+    as loaded whether or not it was, so a checkpoint missing, say, one layer's ``down_proj`` would
+    otherwise serve the random-initialised matrix. The error names the missing tensors the way the
+    checkpoint spells them (``q_proj`` / ``gate_proj`` for a shard of a fused matrix)."""
+    whole: set[str] = set()
+    shards: dict[str, set] = defaultdict(set)
+    for name, shard in loaded:
+        (whole.add(name) if shard is None else shards[name].add(shard))
+    modules = dict(model.named_modules())
+    missing: list[str] = []
+    for name, _ in model.named_parameters():
+        if name in whole:
+            continue
+        expected, got = _shards(modules.get(name.rpartition(".")[0])), shards.get(name, set())
+        if expected is None or (not got and not any(f in name for f in STACKED_SOURCES)):
+            missing.append(name)  # a parameter the checkpoint stores as one tensor
+        else:
+            missing.extend(_source_name(name, s) for s in expected if s not in got)
+    if missing:
+        shown = ", ".join(missing[:12]) + (f", ... ({len(missing)} in all)" if len(missing) > 12 else "")
+        raise ValueError(f"checkpoint is missing tensors this model needs: {shown}")
+
+
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     rename,
 ) -> set[str]:
     """Load checkpoint tensors by name. ``rename(hf_name) -> (param_name, shard_id) | None``
-    (None skips the tensor, e.g. Huginn's stored RoPE table). Returns the parameters loaded."""
+    (None skips the tensor, e.g. Huginn's stored RoPE table). Returns the parameters loaded;
+    raises ``ValueError`` naming the tensors the checkpoint lacks (``check_weights_loaded``)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    filled: list[tuple[str, object]] = []
     for hf_name, tensor in weights:
         target = rename(hf_name)
         if target is None:
@@ -171,6 +235,8 @@ def load_named_weights(
         else:
             loader(param, tensor, shard)
         loaded.add(name)
+        filled.append((name, shard))
+    check_weights_loaded(model, filled)
     return loaded
 
 

@@ -57,6 +57,12 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     generation_config: dict[str, Any] | None = None
     files: dict[str, str] = field(default_factory=dict)  # extra text files, e.g. remote-code modules
+    # Where the tensors go: ``*.safetensors``, else a ``torch.save`` state dict under that name (the
+    # original COCONUT / CODI / LOTUS training checkpoints: ``checkpoint_6``, ``pytorch_model.bin``).
+    weights_file: str = "model.safetensors"
+    # Appended tokens left out of the saved tokenizer (the base model's tokenizer, to which the
+    # original training code adds them at run time); their ids stay the ones the weights were shaped for.
+    tokenizer_without: tuple[str, ...] = ()
 
 
 @dataclass
@@ -279,7 +285,18 @@ def write_checkpoint(out: Path, ckpt: Checkpoint, spec: TokenizerSpec, tok, *, w
     dtype = _dtype_of(ckpt.config)
     if weights:
         tensors = {k: v.detach().to(dtype).contiguous() for k, v in sorted(ckpt.tensors.items())}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if ckpt.weights_file.endswith(".safetensors"):
+            save_file(tensors, str(out / ckpt.weights_file), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, str(out / ckpt.weights_file))
+    if ckpt.tokenizer_without:
+        # the same learned vocabulary (same size, same corpus) without the appended tokens
+        kept = [t for t in spec.appended if t not in ckpt.tokenizer_without]
+        drop_spec = TokenizerSpec(**{**spec.__dict__, "appended": kept})
+        for attr in ("bos", "eos", "pad", "unk"):
+            if getattr(drop_spec, attr) in ckpt.tokenizer_without:
+                setattr(drop_spec, attr, None)
+        spec, tok = drop_spec, train_tokenizer(drop_spec, tokenizer_vocab - len(ckpt.tokenizer_without))
     (out / "config.json").write_text(json.dumps(ckpt.config, indent=2) + "\n")
     if ckpt.generation_config is not None:
         (out / "generation_config.json").write_text(json.dumps(ckpt.generation_config, indent=2) + "\n")

@@ -8,10 +8,27 @@ from __future__ import annotations
 
 import gc
 import os
+from contextlib import contextmanager
 
-# Tests call small functions inside the worker (``LLM.collective_rpc``) to read engine state;
-# vLLM sends such callables only with this opt-in.
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+@contextmanager
+def worker_functions():
+    """Let ``LLM.collective_rpc(fn)`` send our functions (``worker_facts``, ``kv_cache_layout``, ...)
+    to the engines started inside this block: vLLM pickles a callable only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which its engine processes read once at start-up and
+    the front end reads at each call. Start the engine, call it and stop it inside the block; the
+    variable is restored on exit, so nothing else in the process runs with pickling enabled."""
+    before = os.environ.get(INSECURE_SERIALIZATION)
+    os.environ[INSECURE_SERIALIZATION] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INSECURE_SERIALIZATION, None)
+        else:
+            os.environ[INSECURE_SERIALIZATION] = before
 
 
 def on_gpu() -> bool:
@@ -75,7 +92,8 @@ def check_ouro_early_exit(llm, path: str, prompts: list[str], max_tokens: int, t
     return depths
 
 
-# Functions run inside vLLM's worker process with ``llm.collective_rpc(fn)`` (``fn(worker)``).
+# Functions run inside vLLM's worker process with ``llm.collective_rpc(fn)`` (``fn(worker)``), for
+# engines started inside ``worker_functions()``.
 
 
 def worker_facts(worker) -> dict:

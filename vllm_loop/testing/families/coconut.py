@@ -8,9 +8,14 @@ parameters of its own. The tiny folder is HF format (``transformer.*`` names, ti
 ``gpt2``) and a ``latent_spec`` object (see ``vllm_loop/latent/spec.py``).
 
 Options: ``base=gpt2|llama`` (the paper also ran Llama-3; architecture
-``CoconutLlamaForCausalLM``), ``format=hf|wrapper`` (``wrapper``: the original training
+``CoconutLlamaForCausalLM``), ``format=hf|wrapper|original`` (``wrapper``: the original training
 checkpoint's names, every key under ``base_causallm.`` and the tied ``lm_head.weight`` stored as
-a copy, as ``torch.save(model.state_dict())`` of the wrapper has them).
+a copy, as ``torch.save(model.state_dict())`` of the wrapper has them; ``original``: what a
+released COCONUT run leaves, which ``python -m vllm_loop.convert --family coconut`` turns into the
+``hf`` folder: the base model's ``config.json`` (``GPT2LMHeadModel``, vocabulary V, no plugin keys)
+and tokenizer (without the three latent tokens, which ``run.py`` adds at run time), plus the
+training checkpoint ``checkpoint_6`` -- ``torch.save`` of the wrapper's state dict, embeddings
+resized to V+3).
 
 This module also holds the GPT-2 building blocks shared by the ``codi`` and ``lotus`` families.
 """
@@ -131,6 +136,15 @@ def base_checkpoint(ctx: BuildContext, base: str, architecture: str, **extra) ->
     return cfg, tensors
 
 
+def original_config(cfg: dict, added: int = 0) -> dict:
+    """The base model's own config.json under a latent model's: plain architecture, none of this
+    project's keys, and the vocabulary before ``added`` tokens were appended by the training run."""
+    base = {k: v for k, v in cfg.items() if k not in ("latent_spec", "codi", "lotus")}
+    base["architectures"] = ["GPT2LMHeadModel" if cfg["model_type"] == "gpt2" else "LlamaForCausalLM"]
+    base["vocab_size"] = cfg["vocab_size"] - added
+    return base
+
+
 def generation_config(cfg: dict) -> dict:
     return {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
 
@@ -154,7 +168,7 @@ def coconut_tokenizer(options) -> TokenizerSpec:
     "coconut",
     doc="COCONUT: GPT-2 (or Llama) + <|start-latent|>/<|end-latent|>/<|latent|>; feedback latent",
     tokenizer=coconut_tokenizer,
-    options={"base": ("gpt2", "llama"), "format": ("hf", "wrapper")},
+    options={"base": ("gpt2", "llama"), "format": ("hf", "wrapper", "original")},
     defaults={"base": "gpt2", "format": "hf"},
 )
 def build(ctx: BuildContext) -> Checkpoint:
@@ -171,6 +185,10 @@ def build(ctx: BuildContext) -> Checkpoint:
     )
     arch = "CoconutGPT2LMHeadModel" if base == "gpt2" else "CoconutLlamaForCausalLM"
     cfg, tensors = base_checkpoint(ctx, base, arch, latent_spec=spec.to_config())
+    if ctx.options["format"] == "original":
+        return Checkpoint(config=original_config(cfg, len(LATENT_TOKENS)), tensors=wrapper_format(cfg, tensors),
+                          generation_config=generation_config(cfg), weights_file="checkpoint_6",
+                          tokenizer_without=tuple(LATENT_TOKENS))
     if ctx.options["format"] == "wrapper":
         tensors = wrapper_format(cfg, tensors)
     return Checkpoint(config=cfg, tensors=tensors, generation_config=generation_config(cfg))

@@ -25,7 +25,10 @@ config.json: ``architectures`` ``["CODIGPT2LMHeadModel"]`` or ``["CODILlamaForCa
 
 (names follow the original's command-line arguments; ``inf_latent_iterations`` is
 ``latent_spec.default_budget``). Options: ``base=gpt2|llama``, ``remove_eos=true|false``,
-``prj_no_ln=false|true``.
+``prj_no_ln=false|true``, ``format=hf|original`` (``original``: what a released CODI run leaves,
+which ``python -m vllm_loop.convert --family codi`` turns into the ``hf`` folder: the base model's
+``config.json`` (vocabulary V, no plugin keys) and tokenizer (no ``[PAD]`` / bot / eot), plus
+``pytorch_model.bin``, ``torch.save`` of the CODI module's state dict).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 from vllm_loop.latent.lora import CODI_PREFIX  # the real PEFT state-dict prefix
 from vllm_loop.latent.spec import LatentSpec
 from vllm_loop.testing.checkpoints import BuildContext, Checkpoint, TokenizerSpec, family
-from vllm_loop.testing.families.coconut import base_checkpoint, base_tokenizer, generation_config
+from vllm_loop.testing.families.coconut import base_checkpoint, base_tokenizer, generation_config, original_config
 
 CODI_TOKENS = ["[PAD]", "<|bot|>", "<|eot|>"]  # ids V, V+1, V+2
 LORA_TARGETS = {
@@ -54,8 +57,9 @@ def codi_tokenizer(options) -> TokenizerSpec:
     "codi",
     doc="CODI: GPT-2 or Llama base + LoRA (unmerged, PEFT names) + prj head; bot/eot ids V+1/V+2",
     tokenizer=codi_tokenizer,
-    options={"base": ("gpt2", "llama"), "remove_eos": ("true", "false"), "prj_no_ln": ("false", "true")},
-    defaults={"base": "gpt2", "remove_eos": "true", "prj_no_ln": "false"},
+    options={"base": ("gpt2", "llama"), "remove_eos": ("true", "false"), "prj_no_ln": ("false", "true"),
+             "format": ("hf", "original")},
+    defaults={"base": "gpt2", "remove_eos": "true", "prj_no_ln": "false", "format": "hf"},
 )
 def build(ctx: BuildContext) -> Checkpoint:
     base = ctx.options["base"]
@@ -123,4 +127,8 @@ def build(ctx: BuildContext) -> Checkpoint:
     if not cfg["codi"]["prj_no_ln"]:
         tensors["prj.ln.weight"] = ctx.norm_weight(H)
         tensors["prj.ln.bias"] = ctx.randn(H, std=0.1)
+    if ctx.options["format"] == "original":
+        return Checkpoint(config=original_config(cfg, len(CODI_TOKENS)), tensors=tensors,
+                          generation_config=generation_config(cfg), weights_file="pytorch_model.bin",
+                          tokenizer_without=tuple(CODI_TOKENS))
     return Checkpoint(config=cfg, tensors=tensors, generation_config=generation_config(cfg))

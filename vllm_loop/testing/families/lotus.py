@@ -10,7 +10,11 @@ The tiny folder is HF format with ``architectures: ["LotusLlamaForCausalLM"]`` (
 ``llama``), a ``latent_spec`` (kind looped, default_budget 6 = n_looped_iters, c_thought 3 to
 keep it tiny, max_budget 16) and ``"lotus": {"latent_injection_mode": "add"}``. Options:
 ``base=llama|gpt2`` (GPT-2: ``LotusGPT2LMHeadModel``), ``injection=add|replace``,
-``format=hf|wrapper`` (``base_causallm.`` names of the local training ``model.pt``).
+``format=hf|wrapper|original|original-pt`` (``wrapper``: ``base_causallm.`` names;
+``original``: the released folder, a plain ``LlamaForCausalLM`` -- no plugin keys, vocabulary and
+tokenizer already holding the three tokens; ``original-pt``: the same config and tokenizer with the
+local training checkpoint ``model.pt``, ``base_causallm.`` names plus a ``teacher_model.*`` copy).
+``python -m vllm_loop.convert --family lotus`` turns both originals into the ``hf`` folder.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from vllm_loop.testing.families.coconut import (
     base_checkpoint,
     base_tokenizer,
     generation_config,
+    original_config,
     wrapper_format,
 )
 
@@ -34,7 +39,8 @@ def lotus_tokenizer(options) -> TokenizerSpec:
     "lotus",
     doc="LOTUS: Llama (or GPT-2) + COCONUT's latent tokens; block re-forwarded in place 1+n times",
     tokenizer=lotus_tokenizer,
-    options={"base": ("llama", "gpt2"), "injection": ("add", "replace"), "format": ("hf", "wrapper")},
+    options={"base": ("llama", "gpt2"), "injection": ("add", "replace"),
+             "format": ("hf", "wrapper", "original", "original-pt")},
     defaults={"base": "llama", "injection": "add", "format": "hf"},
 )
 def build(ctx: BuildContext) -> Checkpoint:
@@ -58,6 +64,14 @@ def build(ctx: BuildContext) -> Checkpoint:
         latent_spec=spec.to_config(),
         lotus={"latent_injection_mode": ctx.options["injection"]},
     )
-    if ctx.options["format"] == "wrapper":
+    fmt = ctx.options["format"]
+    if fmt == "original":
+        return Checkpoint(config=original_config(cfg), tensors=tensors, generation_config=generation_config(cfg))
+    if fmt == "original-pt":
+        state = wrapper_format(cfg, tensors)
+        state.update({"teacher_model." + k: v.clone() for k, v in tensors.items()})  # training-only copy
+        return Checkpoint(config=original_config(cfg), tensors=state, generation_config=generation_config(cfg),
+                          weights_file="model.pt")
+    if fmt == "wrapper":
         tensors = wrapper_format(cfg, tensors)
     return Checkpoint(config=cfg, tensors=tensors, generation_config=generation_config(cfg))
