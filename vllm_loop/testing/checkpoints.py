@@ -296,7 +296,7 @@ def write_checkpoint(out: Path, ckpt: Checkpoint, spec: TokenizerSpec, tok, *, w
         for attr in ("bos", "eos", "pad", "unk"):
             if getattr(drop_spec, attr) in ckpt.tokenizer_without:
                 setattr(drop_spec, attr, None)
-        spec, tok = drop_spec, train_tokenizer(drop_spec, tokenizer_vocab - len(ckpt.tokenizer_without))
+        spec, tok = drop_spec, train_tokenizer(drop_spec, tok.get_vocab_size() - len(ckpt.tokenizer_without))
     (out / "config.json").write_text(json.dumps(ckpt.config, indent=2) + "\n")
     if ckpt.generation_config is not None:
         (out / "generation_config.json").write_text(json.dumps(ckpt.generation_config, indent=2) + "\n")
