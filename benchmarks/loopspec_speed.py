@@ -43,7 +43,16 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
-def _prompts(n: int, vocab: int) -> list[dict]:
+def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None = None) -> list[dict]:
+    """``synthetic``: 32 arbitrary token ids each; ``heldout``: lines of the held-out works (for a
+    model trained on the corpus: ``benchmarks/train_looped.py``), tokenized."""
+    if kind == "heldout":
+        from transformers import AutoTokenizer
+
+        from vllm_loop.testing.trained import heldout_prompts
+
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        return [{"prompt_token_ids": tok(text).input_ids} for text in heldout_prompts(n)]
     return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(PROMPT_LEN)]} for i in range(n)]
 
 
@@ -73,7 +82,7 @@ def worker(args) -> dict:
     def run(n: int, out_len: int) -> tuple[float, list[list[int]]]:
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0, detokenize=False)
         t = time.perf_counter()
-        outs = llm.generate(_prompts(n, cfg["vocab_size"]), sp, use_tqdm=False)
+        outs = llm.generate(_prompts(n, cfg["vocab_size"], args.prompts, args.checkpoint), sp, use_tqdm=False)
         dt = time.perf_counter() - t
         assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
         return dt, [list(o.outputs[0].token_ids) for o in outs]
@@ -106,6 +115,8 @@ def main() -> int:
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
     ap.add_argument("--systems", default="vanilla,loopspec", help="comma-separated: vanilla, loopspec, in-tree")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
+                    help="heldout: held-out corpus lines (for trained checkpoints)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (the lanes "
@@ -133,7 +144,7 @@ def main() -> int:
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
-               "--eager", args.eager, "--concurrency", *map(str, args.concurrency)]
+               "--eager", args.eager, "--prompts", args.prompts, "--concurrency", *map(str, args.concurrency)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
@@ -160,7 +171,8 @@ def main() -> int:
     for res in results.values():
         for r in res["rows"]:
             r.pop("tokens")
-    out = {"shape": args.shape, "agreement": float(args.agreement), "spec": json.loads(args.spec),
+    out = {"shape": args.shape, "checkpoint": args.checkpoint, "prompts": args.prompts,
+           "agreement": float(args.agreement), "spec": json.loads(args.spec),
            "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
            "systems": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
