@@ -100,3 +100,18 @@ def test_metrics_show_loopspec_counters(server):
     assert 1.0 <= get("vllm_loop:loopspec_gamma{") <= 4.0 and get("vllm_loop:loopspec_lanes_per_step{") > 1
     # vLLM's own spec-decode counters carry LoopSpec's verifications
     assert get("vllm:spec_decode_num_drafts_total") > 0 and get("vllm:spec_decode_num_accepted_tokens_total") > 0
+
+
+@pytest.mark.engine
+def test_periodic_log_line_and_startup_schedule(server):
+    import time
+
+    server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [1, 2], "max_tokens": 16, "temperature": 0,
+                                    "ignore_eos": True})
+    deadline = time.time() + 30  # vLLM logs its stats every VLLM_LOG_STATS_INTERVAL (10 s)
+    while "LoopSpec: gamma" not in server.log_tail(10**6) and time.time() < deadline:
+        time.sleep(1)
+    log = server.log_tail(10**6)
+    line = next(x for x in log.splitlines() if "LoopSpec: gamma" in x)
+    assert "commits first" in line and "gate open" in line and "lanes per recurrent step" in line
+    assert "LoopSpec on: R=4 d1=1 d2=2 (gated) max_lanes=7" in log  # the schedule, logged at start-up

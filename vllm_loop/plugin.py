@@ -6,12 +6,12 @@ inspection subprocess), so it must be idempotent and must not depend on having r
 
 from __future__ import annotations
 
-import logging
 import os
 
+from vllm_loop import get_logger
 from vllm_loop.latent import LATENT_ARCHITECTURES
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Architecture name in config.json -> "module:Class". Lazy strings: vLLM imports them on demand.
 MODELS: dict[str, str] = {

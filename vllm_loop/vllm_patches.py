@@ -6,11 +6,11 @@ is here touches private vLLM objects that a vLLM upgrade may move, so it is pinn
 
 from __future__ import annotations
 
-import logging
 
+from vllm_loop import get_logger
 from vllm_loop.unsupported import SUPPORTED_VLLM
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _check_version() -> bool:

@@ -18,12 +18,12 @@ family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the de
 
 from __future__ import annotations
 
-import logging
 import math
 
+from vllm_loop import get_logger
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 METHOD = "loopspec"
 KEYS = ("method", "d1", "d2", "gate", "max_lanes")

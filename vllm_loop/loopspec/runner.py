@@ -21,11 +21,11 @@ moves tensors and keeps vLLM's books (input batch, request states, drafts, outpu
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs
 from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
@@ -36,7 +36,7 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.loopspec.verify import CommitSource
 from vllm_loop.models.layers import bank_prefix, lane_attention
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def lane_sampling(sp) -> SamplingParams | None:

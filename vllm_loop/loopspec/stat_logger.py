@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import os
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs
 from vllm_loop.loopspec.metrics import EngineCounters
 from vllm_loop.loopspec.scheduler import METRICS_ENV, metrics_path
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 COUNTERS = {  # counter name -> EngineCounters field
     "recurrent_steps": "recurrent_steps", "lanes_advanced": "lanes_advanced", "request_steps": "request_steps",
