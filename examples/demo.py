@@ -43,7 +43,7 @@ def main() -> int:
     from vllm_loop.loopspec.executor import GenerationRequest, PipelinedExecutor
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.checkpoints import make_checkpoint
-    from vllm_loop.testing.engines import start_llm, stop_llm
+    from vllm_loop.testing.engines import kv_cache_layout, start_llm, stop_llm, worker_functions
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vllm-loop-demo-"))
     # agreement=0.005 makes early depths predict like the final one, so LoopSpec has drafts to accept
@@ -54,13 +54,15 @@ def main() -> int:
     print("    (random weights: the text is noise; what matters is that every implementation agrees)")
 
     t0 = time.time()
-    llm = start_llm(path)
+    # collective_rpc(kv_cache_layout) sends our function to the worker: only the engine's start and
+    # that call run with pickled RPC allowed (worker_functions), nothing else in this process does
+    with worker_functions():
+        llm = start_llm(path)
     print(f"[2] vLLM engine up in {time.time() - t0:.0f} s")
     try:
-        # a worker method by name: no pickled function, so no VLLM_ALLOW_INSECURE_SERIALIZATION
-        (banks,) = llm.collective_rpc("get_kv_cache_spec")
-        kinds = {repr(sorted(spec.items())) for spec in banks.values()}
-        print(f"    KV cache: {len(banks)} attention banks (T*L = {T * L}), {len(kinds)} page layout for all")
+        with worker_functions():
+            (kv,) = llm.collective_rpc(kv_cache_layout)
+        print(f"    KV cache: {len(kv['groups'][0])} attention banks (T*L = {T * L}) in {len(kv['groups'])} group")
         tok = AutoTokenizer.from_pretrained(path)
         prompts = [tok(p).input_ids for p in PROMPTS]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
