@@ -43,7 +43,7 @@ def main() -> int:
 
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
-    from vllm_loop.testing.engines import start_llm, stop_llm
+    from vllm_loop.testing.engines import kv_cache_layout, start_llm, stop_llm, worker_functions
     from vllm_loop.testing.trained import heldout_prompts, tiny_trained_ouro
 
     t0 = time.time()
@@ -58,12 +58,15 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
 
     t0 = time.time()
-    llm = start_llm(path)
+    # collective_rpc(kv_cache_layout) sends our function to the worker: only the engine's start and
+    # that call run with pickled RPC allowed (worker_functions), nothing else in this process does
+    with worker_functions():
+        llm = start_llm(path)
     print(f"[2] vLLM engine up in {time.time() - t0:.0f} s")
     try:
-        # a worker method by name: no pickled function, so no VLLM_ALLOW_INSECURE_SERIALIZATION
-        (banks,) = llm.collective_rpc("get_kv_cache_spec")
-        print(f"    KV cache: {len(banks)} attention banks (T*L = {T * L})")
+        with worker_functions():
+            (kv,) = llm.collective_rpc(kv_cache_layout)
+        print(f"    KV cache: {len(kv['groups'][0])} attention banks (T*L = {T * L}) in {len(kv['groups'])} group")
         plain, t_plain = generate(llm, prompts, params)
     finally:
         stop_llm(llm)

@@ -88,7 +88,9 @@ holds them: ``RequestOutput.prompt_token_ids`` (the OpenAI API's ``prompt_token_
 (COCONUT and LOTUS ``<|latent|>``), else the model's pad id (CODI). The step count is visible
 there: :meth:`LatentSpec.phase_budget` reads the budget back from ``prompt_token_ids``.
 (Feedback models compute their phase in decode steps; the engine emits it as its first outputs
-and the front end moves it to the prompt side before detokenizing -- ``vllm_patches.py``.)
+and the front end moves it to the prompt side before detokenizing -- ``vllm_patches.py``. vLLM's
+token counters follow: ``vllm:generation_tokens`` counts answer tokens, ``vllm:prompt_tokens`` the
+prompt the engine prefilled, so a feedback model's phase is in neither.)
 Differences from the originals' batch-1 ``generate``: COCONUT and LOTUS drop a final EOS from
 their returned tokens and never stop on the first answer token; we stop on EOS everywhere and keep
 it.
