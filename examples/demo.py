@@ -46,6 +46,9 @@ def main() -> int:
     from vllm_loop.testing.engines import kv_cache_layout, start_llm, stop_llm, worker_functions
     from vllm_loop.testing.trained import heldout_prompts, tiny_trained_ouro
 
+    from vllm_loop.configs import register_configs
+
+    register_configs()  # AutoTokenizer reads config.json: model_type "ouro" is ours (no remote code)
     t0 = time.time()
     path = str(tiny_trained_ouro())
     config = json.loads((Path(path) / "config.json").read_text())
