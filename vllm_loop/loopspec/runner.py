@@ -21,6 +21,7 @@ moves tensors and keeps vLLM's books (input batch, request states, drafts, outpu
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,7 @@ class LoopSpecRunner:
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.seed = vllm_config.model_config.seed or 0
         self.model = None
         self.paged: PagedBanks | None = None
         self.scratch: LaneScratch | None = None
@@ -215,11 +217,16 @@ class LoopSpecRunner:
 
     def _generator(self, req_id: str, sp) -> torch.Generator | None:
         """One generator per request for its whole life (a restarted pipeline keeps drawing fresh
-        uniforms): seeded requests are reproducible."""
+        uniforms). Its seed is the request's, or else a hash of the engine seed and the request id:
+        every tensor-parallel rank runs the same lanes and must take the same decisions with no
+        communication, so nothing here may depend on a rank's own random state."""
         if sp.temperature < 1e-5:
             return None
         if req_id not in self.generators:
-            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            seed = sp.seed
+            if seed is None:
+                digest = hashlib.sha256(f"{self.seed}:{req_id}".encode()).digest()
+                seed = int.from_bytes(digest[:8], "little") >> 1
             self.generators[req_id] = torch.Generator().manual_seed(seed)
         return self.generators[req_id]
 

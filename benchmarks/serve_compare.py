@@ -1,0 +1,207 @@
+"""`vllm serve` side by side, driven by vLLM's own `vllm bench serve`: in-tree Ouro, ours, ours + LoopSpec.
+
+For each system one server (same checkpoint, same flags; ``in-tree`` = vLLM 0.26's own
+OuroForCausalLM with this plugin not loaded, Ouro shapes only), then for every temperature x
+request rate x max concurrency one ``vllm bench serve`` run on the random dataset with a fixed
+seed. Per run: output tok/s, TTFT / TPOT / ITL percentiles (vLLM's numbers), and for LoopSpec the
+acceptance the server measured during that run (from ``/metrics``: gamma, commit shares, lanes per
+recurrent step). Writes ``results.json``, ``table.md`` and one PNG per temperature into ``--out``.
+
+    python benchmarks/serve_compare.py --shape tiny-ouro --out benchmarks/results/serve-compare-cpu
+    python benchmarks/serve_compare.py --shape ouro-1.4b --agreement 0.005 --concurrency 1 4 16 64 \\
+        --num-prompts 128 --output-len 256 --out $OUT/serve      # GPU; add --tp 2 --ray for scale-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopspec_speed import SHAPES  # noqa: E402  (the same checkpoints as the offline benchmark)
+
+PERCENTILES = "50,90,99"
+
+
+def scrape(base: str) -> dict[str, float]:
+    """LoopSpec counters from a server's /metrics (summed over label sets)."""
+    import requests
+
+    out: dict[str, float] = {}
+    for line in requests.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm_loop:loopspec_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0]
+            if "source=" in name:
+                key += "_" + name.split('source="')[1].split('"')[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def acceptance(before: dict, after: dict, R: int) -> dict | None:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    first, second, full = (d.get(f"vllm_loop:loopspec_commits_total_{s}", 0.0) for s in ("first", "second", "full"))
+    n, steps = first + second + full, d.get("vllm_loop:loopspec_request_steps_total", 0.0)
+    if not n:
+        return None
+    rs = d.get("vllm_loop:loopspec_recurrent_steps_total", 0.0)
+    return {"gamma": R * n / steps if steps else 0.0, "first": first / n, "second": second / n, "full": full / n,
+            "lanes_per_step": d.get("vllm_loop:loopspec_lanes_advanced_total", 0.0) / rs if rs else 0.0,
+            "commits": n}
+
+
+def bench(vllm: str, base: str, name: str, ckpt: str, args, temperature: float, rate: str, conc: int, out: Path) -> dict:
+    fname = f"bench-{name}-t{temperature:g}-r{rate}-c{conc}.json"
+    cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "m", "--tokenizer", ckpt,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--random-range-ratio", "0", "--num-prompts", str(args.num_prompts),
+           "--max-concurrency", str(conc), "--request-rate", rate, "--seed", str(args.seed), "--temperature",
+           str(temperature), "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename", fname,
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", PERCENTILES, "--disable-tqdm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed ({name}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads((out / fname).read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="tiny-ouro")
+    ap.add_argument("--agreement", default="0.005")
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--systems", default="in-tree,vanilla,loopspec")
+    ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--request-rate", nargs="+", default=["inf"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size for every server")
+    ap.add_argument("--ray", action="store_true", help="--distributed-executor-backend ray")
+    ap.add_argument("--server-args", default="", help="extra `vllm serve` flags for every server")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from vllm_loop.testing.checkpoints import make_checkpoint
+    from vllm_loop.testing.engines import Server, on_gpu
+
+    family, options, overrides, spec = SHAPES[args.shape]
+    spec = json.loads(args.spec) if args.spec else spec
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = args.checkpoint
+    if ckpt is None:
+        ckpt = str(Path(tempfile.mkdtemp()) / args.shape)
+        opts = dict(options) | ({"agreement": args.agreement} if float(args.agreement) > 0 else {})
+        make_checkpoint(family, ckpt, options=opts, **overrides)
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    systems = [s for s in args.systems.split(",") if s != "in-tree" or family == "ouro"]
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    common = ["--max-num-seqs", str(max(args.concurrency)), "--seed", str(args.seed)]
+    common += ["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else []
+    common += ["--distributed-executor-backend", "ray"] if args.ray else []
+    common += args.server_args.split() if args.server_args else []
+    if not on_gpu():
+        common += ["--kv-cache-memory-bytes", str(2**30)]
+    rows = []
+    for system in systems:
+        flags = list(common)
+        saved = os.environ.get("VLLM_PLUGINS")
+        if system == "in-tree":
+            os.environ["VLLM_PLUGINS"] = "none"  # vLLM's own OuroForCausalLM (remote-code config)
+            flags.append("--trust-remote-code")
+        if system == "loopspec":
+            flags += ["--speculative-config", json.dumps(spec)]
+        t0 = time.time()
+        try:
+            server = Server(ckpt, *flags, log_path=str(out / f"server-{system}.log"), served_name="m", timeout=1200)
+        finally:
+            if saved is None:
+                os.environ.pop("VLLM_PLUGINS", None)
+            else:
+                os.environ["VLLM_PLUGINS"] = saved
+        startup = time.time() - t0
+        try:
+            for temperature in args.temperature:
+                for rate in args.request_rate:
+                    for conc in args.concurrency:
+                        before = scrape(server.base) if system == "loopspec" else {}
+                        res = bench(vllm, server.base, system, ckpt, args, temperature, rate, conc, out)
+                        row = {"system": system, "temperature": temperature, "request_rate": rate,
+                               "concurrency": conc, "startup_s": round(startup, 1),
+                               "output_tok_s": res["output_throughput"], "completed": res["completed"]}
+                        for metric in ("ttft", "tpot", "itl"):
+                            row[f"mean_{metric}_ms"] = res[f"mean_{metric}_ms"]
+                            for p in PERCENTILES.split(","):
+                                row[f"p{p}_{metric}_ms"] = res[f"p{p}_{metric}_ms"]
+                        if system == "loopspec":
+                            row["loopspec"] = acceptance(before, scrape(server.base), R)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+        finally:
+            server.stop()
+    base = {(r["temperature"], r["request_rate"], r["concurrency"]): r for r in rows if r["system"] == "vanilla"}
+    for r in rows:
+        b = base.get((r["temperature"], r["request_rate"], r["concurrency"]))
+        r["vs_vanilla"] = r["output_tok_s"] / b["output_tok_s"] if b else None
+    meta = {"shape": args.shape, "checkpoint": ckpt, "R": R, "spec": spec, "num_prompts": args.num_prompts,
+            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed, "tp": args.tp,
+            "ray": args.ray, "device": "gpu" if on_gpu() else "cpu"}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write_table(rows, out / "table.md")
+    plot(rows, out)
+    return 0
+
+
+def write_table(rows: list[dict], path: Path) -> None:
+    lines = ["| system | T | rate | concurrency | output tok/s | vs vanilla | TTFT p50 / p99 ms | TPOT p50 ms "
+             "| ITL p50 / p99 ms | gamma | commits first / second / full |", "|" + "---|" * 11]
+    for r in rows:
+        ls = r.get("loopspec") or {}
+        ratio = "" if r["vs_vanilla"] is None else f"{r['vs_vanilla']:.2f}"
+        gamma = f"{ls['gamma']:.2f}" if ls else ""
+        shares = f"{ls['first']:.0%} / {ls['second']:.0%} / {ls['full']:.0%}" if ls else ""
+        lines.append(
+            f"| {r['system']} | {r['temperature']:g} | {r['request_rate']} | {r['concurrency']} | "
+            f"{r['output_tok_s']:.1f} | {ratio} | {r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
+            f"{r['p50_tpot_ms']:.2f} | {r['p50_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} | {gamma} | {shares} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("output_tok_s", "output tok/s"), ("p50_ttft_ms", "TTFT p50 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
+              ("p50_tpot_ms", "TPOT p50 (ms)"), ("p50_itl_ms", "ITL p50 (ms)"), ("p99_itl_ms", "ITL p99 (ms)")]
+    for temperature in sorted({r["temperature"] for r in rows}):
+        for rate in sorted({r["request_rate"] for r in rows}):
+            sel = [r for r in rows if r["temperature"] == temperature and r["request_rate"] == rate]
+            fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+            for ax, (key, label) in zip(axes.flat, panels):
+                for system in dict.fromkeys(r["system"] for r in sel):
+                    pts = sorted((r["concurrency"], r[key]) for r in sel if r["system"] == system)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=system)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("max concurrency")
+                ax.set_title(label)
+            axes.flat[0].legend()
+            fig.suptitle(f"vllm bench serve, temperature {temperature:g}, request rate {rate}")
+            fig.tight_layout()
+            fig.savefig(out / f"serve-t{temperature:g}-r{rate}.png", dpi=90)
+            plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
