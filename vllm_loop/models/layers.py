@@ -15,10 +15,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
@@ -45,9 +48,74 @@ def bank_prefix(bank: int) -> str:
     return f"model.layers.{bank}.self_attn.attn"
 
 
+class HeadShards:
+    """Which attention heads this tensor-parallel rank holds, the way vLLM's ``QKVParallelLinear``
+    splits them: query heads in equal blocks; KV heads in equal blocks, or (fewer KV heads than
+    ranks) one head per rank, ``tp // num_kv_heads`` consecutive ranks sharing each."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        self.tp = get_tensor_model_parallel_world_size()
+        self.rank = get_tensor_model_parallel_rank() if self.tp > 1 else 0
+        if num_heads % self.tp or (num_kv_heads % self.tp and self.tp % num_kv_heads):
+            raise ValueError(f"{num_heads} query / {num_kv_heads} KV heads do not split over "
+                             f"tensor_parallel_size={self.tp}")
+        self.q_heads = num_heads // self.tp
+        self.kv_heads = max(1, num_kv_heads // self.tp)
+        self.q_first = self.rank * self.q_heads
+        self.kv_first = self.rank // max(1, self.tp // num_kv_heads) * self.kv_heads
+
+    def loader(self, kind: str, dim: int, per_head: int) -> Callable:
+        """A ``weight_loader`` that copies this rank's heads (``kind`` "q" or "kv") of a full
+        checkpoint tensor: along ``dim``, ``per_head`` entries per head."""
+        first, count = (self.q_first, self.q_heads) if kind == "q" else (self.kv_first, self.kv_heads)
+
+        def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
+            part = loaded.narrow(dim, first * per_head, count * per_head)
+            if part.shape != param.shape:
+                raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit this rank's "
+                                 f"{tuple(param.shape)} (tensor_parallel_size={self.tp})")
+            param.data.copy_(part)
+
+        return load
+
+
+class ShardedWeight(nn.Module):
+    """A per-feature weight (``.weight``, a norm's gain) of which this rank holds its heads' slice."""
+
+    def __init__(self, shards: HeadShards, kind: str, head_dim: int):
+        super().__init__()
+        heads = shards.q_heads if kind == "q" else shards.kv_heads
+        self.weight = nn.Parameter(torch.ones(heads * head_dim), requires_grad=False)
+        self.weight.weight_loader = shards.loader(kind, 0, head_dim)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the full q and the full k projections (all heads at once: OLMo-2) when each of
+    ``tp`` ranks holds some of the heads (``q``, ``k``, the weights: this rank's slices).
+
+    The statistics need every head, so the ranks all-reduce their per-row sums of squares, q and k
+    together: one ``[n, 2]`` all-reduce per call. (vLLM 0.26 runs OLMo-2 on its Transformers backend;
+    its OLMo-3 model all-gathers the whole of q and k, normalises and slices. The sums are all that
+    is needed.) A replicated KV head (fewer KV heads
+    than ranks) is summed by each of its ``tp // num_kv_heads`` ranks; dividing by ``tp`` times the
+    local width accounts for that, and is the full width when nothing is replicated."""
+    qf, kf = q.float(), k.float()
+    sums = torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=-1)  # [n, 2]
+    if tp > 1:
+        sums = tensor_model_parallel_all_reduce(sums)
+    q_var, k_var = sums[:, :1] / (tp * q.shape[-1]), sums[:, 1:] / (tp * k.shape[-1])
+    q = (qf * torch.rsqrt(q_var + eps)).to(q.dtype) * q_weight
+    k = (kf * torch.rsqrt(k_var + eps)).to(k.dtype) * k_weight
+    return q, k
+
+
 class BankedAttention(nn.Module):
     """Self-attention with fused QKV, optional q/k bias and q/k RMSNorm, RoPE, and one KV bank
-    per depth at which the layer is applied (``forward(..., bank=k)`` picks the k-th)."""
+    per depth at which the layer is applied (``forward(..., bank=k)`` picks the k-th).
+
+    Under tensor parallelism each rank holds its heads (``HeadShards``): of the projections, of the
+    q/k bias and of the q/k norm weights; the KV banks hold this rank's KV heads."""
 
     def __init__(
         self,
@@ -68,10 +136,8 @@ class BankedAttention(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
-        if tp > 1 and (qk_bias or qk_norm_eps is not None):
-            raise NotImplementedError("q/k bias and q/k norm over all heads are not sharded for tensor parallelism yet")
-        self.num_heads, self.num_kv_heads = num_heads // tp, max(1, num_kv_heads // tp)
+        shards = HeadShards(num_heads, num_kv_heads)
+        self.num_heads, self.num_kv_heads = shards.q_heads, shards.kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.qkv_name, self.out_name = qkv_name, out_name
@@ -90,11 +156,18 @@ class BankedAttention(nn.Module):
                 num_heads * head_dim, hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.{out_name}"
             ),
         )
-        # Huginn adds a learned bias to q and k before RoPE; stored as [2, 1, heads, head_dim].
-        self.qk_bias = nn.Parameter(torch.zeros(2, 1, num_heads, head_dim), requires_grad=False) if qk_bias else None
+        # Huginn adds a learned bias to q and k before RoPE; stored as [2, 1, heads, head_dim]. Huginn is
+        # MHA: the k bias has one entry per query head too, so both halves split like the query heads.
+        self.qk_bias = None
+        if qk_bias:
+            if num_kv_heads != num_heads:
+                raise ValueError(f"qk_bias needs as many KV heads as query heads ({num_kv_heads} != {num_heads})")
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, head_dim), requires_grad=False)
+            self.qk_bias.weight_loader = shards.loader("q", 2, 1)
         # OLMo-2 normalises the full q and k projections (all heads at once) before RoPE.
-        self.q_norm = RMSNorm(self.q_size, eps=qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(self.kv_size, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.tp, self.qk_norm_eps = shards.tp, qk_norm_eps
+        self.q_norm = ShardedWeight(shards, "q", head_dim) if qk_norm_eps is not None else None
+        self.k_norm = ShardedWeight(shards, "kv", head_dim) if qk_norm_eps is not None else None
         self.rotary_emb = get_rope(
             head_dim,
             max_position=max_position,
@@ -115,7 +188,7 @@ class BankedAttention(nn.Module):
         qkv, _ = getattr(self, self.qkv_name)(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, self.tp)
         if self.qk_bias is not None:
             q = q + self.qk_bias[0].reshape(-1)
             k = k + self.qk_bias[1].reshape(-1)  # Huginn is MHA: one k bias per query head
