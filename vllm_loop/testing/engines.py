@@ -229,7 +229,8 @@ def run_jobs(llm, jobs: list[Job], max_steps: int = 10_000) -> dict[str, list[in
         aborts = [j.request_id for j in jobs if j.abort_at == step and j.request_id in tokens]
         if aborts:
             engine.abort_request(aborts)
-        for out in engine.step():
+        # an idle multiprocess engine would wait for outputs that never come: only step with work
+        for out in engine.step() if engine.has_unfinished_requests() else ():
             tokens[out.request_id] = list(out.outputs[0].token_ids)
         step += 1
         if step > max_steps:
