@@ -115,3 +115,31 @@ def test_periodic_log_line_and_startup_schedule(server):
     line = next(x for x in log.splitlines() if "LoopSpec: gamma" in x)
     assert "commits first" in line and "gate open" in line and "lanes per recurrent step" in line
     assert "LoopSpec on: R=4 d1=1 d2=2 (gated) max_lanes=7" in log  # the schedule, logged at start-up
+
+
+@pytest.mark.engine
+def test_client_disconnect_mid_stream_frees_kv_blocks_and_lanes(server):
+    import time
+
+    import requests
+
+    def gauge(name):
+        text = requests.get(f"{server.base}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    body = {"model": "tiny-ouro", "prompt": [3, 1, 4, 1, 5], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with requests.post(f"{server.base}/v1/completions", json=body, stream=True, timeout=120) as r:
+        lines = r.iter_lines()
+        for _ in range(5):  # a few chunks: the request is decoding in lanes
+            next(lines)
+        assert gauge("vllm:num_requests_running") == 1 and gauge("vllm:kv_cache_usage_perc") > 0
+    # the connection is closed: vLLM aborts the request, which gives back its blocks and lanes
+    deadline = time.time() + 60
+    while (gauge("vllm:num_requests_running") or gauge("vllm:kv_cache_usage_perc")) and time.time() < deadline:
+        time.sleep(0.5)
+    assert gauge("vllm:num_requests_running") == 0
+    assert gauge("vllm:kv_cache_usage_perc") == 0
+    # and the server keeps serving
+    ok = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [7], "max_tokens": 4})
+    assert ok.status_code == 200
