@@ -125,14 +125,8 @@ class LoopSpecRunner:
         rows = self._rows(runner, scheduler_output)
         with torch.inference_mode():
             steps = 0
-            while True:
-                active = [row for row in rows if not row.done]
-                # Every request commits at least once per engine step (vLLM's contract); past that,
-                # keep all requests in lockstep for up to R recurrent steps (fewer scheduler round
-                # trips) and stop when one of them has nothing more it may commit.
-                if not active or all(row.tokens for row in rows) and (len(active) < len(rows) or steps >= self.schedule.R):
-                    break
-                self._recurrent_step(runner, active)
+            while self._more_steps(rows, steps):
+                self._recurrent_step(runner, [row for row in rows if not row.done])
                 steps += 1
         self._step.lane_steps += 1
         self._count_pipeline_stats(before)
@@ -141,6 +135,16 @@ class LoopSpecRunner:
             if not row.live.pipe.lanes:
                 self.live.pop(row.live.req_id, None)
         return out
+
+    def _more_steps(self, rows: list[_Row], steps: int) -> bool:
+        """Every request must commit at least once per engine step (vLLM's contract). Past that, all
+        requests go on in lockstep for up to R recurrent steps (fewer scheduler round trips) until
+        one of them may commit no more (its cap: 1 + its scheduled drafts) or has finished."""
+        if all(row.done for row in rows):
+            return False
+        if not all(row.tokens for row in rows):
+            return True
+        return not any(row.done for row in rows) and steps < self.schedule.R
 
     def after_standard_step(self, runner, scheduler_output, output) -> None:
         """After vLLM's own step: keep each request's lanes on the committed path (or start them),
