@@ -31,11 +31,21 @@ import tempfile
 import time
 from pathlib import Path
 
+HUGINN_0125 = dict(n_embd=5280, n_heads=55, n_layers_in_prelude=2, n_layers_in_recurrent_block=4,
+                   n_layers_in_coda=2, intermediate_size=17920, vocab_size=65536, padded_vocab_size=65536,
+                   mean_recurrence=32, block_size=4096, torch_dtype="bfloat16")
 SHAPES = {  # name -> (family, options, config overrides, default speculative config)
     "ouro-1.4b": ("ouro", {"remote_code": "true"}, dict(
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
         num_key_value_heads=16, head_dim=128, vocab_size=49152, max_position_embeddings=65536,
         total_ut_steps=4, torch_dtype="bfloat16"), {"method": "loopspec", "d1": 1, "d2": 2}),
+    # Huginn-0125's sizes (3.5B: n_embd 5280, 2 prelude / 4 core / 2 coda sandwich blocks, FFN 17920,
+    # vocab 65536, R=32). "-tp2": 44 heads of 120 instead of 55 of 96 (the same weights' shapes and
+    # parameter count) because 55 heads do not split over 2 GPUs.
+    "huginn-0125": ("huginn_raven", {"layout": "huginn", "state_init": "seeded"}, HUGINN_0125,
+                    {"method": "loopspec", "d1": 2, "d2": 8}),
+    "huginn-0125-tp2": ("huginn_raven", {"layout": "huginn", "state_init": "seeded"}, HUGINN_0125 | {"n_heads": 44},
+                        {"method": "loopspec", "d1": 2, "d2": 8}),
     "tiny-ouro": ("ouro", {"remote_code": "true"}, {}, {"method": "loopspec", "d1": 1, "d2": 2}),
     "tiny-raven": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 32},
                    {"method": "loopspec", "d1": 2, "d2": 8}),

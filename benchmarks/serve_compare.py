@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopspec_speed import SHAPES  # noqa: E402  (the same checkpoints as the offline benchmark)
 
+from vllm_loop.testing.engines import vllm_cli  # noqa: E402
+
 PERCENTILES = "50,90,99"
 
 
@@ -56,9 +58,9 @@ def acceptance(before: dict, after: dict, R: int) -> dict | None:
             "commits": n}
 
 
-def bench(vllm: str, base: str, name: str, ckpt: str, args, temperature: float, rate: str, conc: int, out: Path) -> dict:
+def bench(base: str, name: str, ckpt: str, args, temperature: float, rate: str, conc: int, out: Path) -> dict:
     fname = f"bench-{name}-t{temperature:g}-r{rate}-c{conc}.json"
-    cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "m", "--tokenizer", ckpt,
+    cmd = [*vllm_cli(), "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "m", "--tokenizer", ckpt,
            "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--random-range-ratio", "0", "--num-prompts", str(args.num_prompts),
            "--max-concurrency", str(conc), "--request-rate", rate, "--seed", str(args.seed), "--temperature",
@@ -74,7 +76,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="tiny-ouro")
     ap.add_argument("--agreement", default="0.005")
-    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--checkpoint", default=None,
+                    help="checkpoint folder (made there from --shape / --agreement when it does not exist)")
     ap.add_argument("--systems", default="in-tree,vanilla,loopspec")
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
@@ -87,8 +90,17 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size for every server")
     ap.add_argument("--ray", action="store_true", help="--distributed-executor-backend ray")
     ap.add_argument("--server-args", default="", help="extra `vllm serve` flags for every server")
+    ap.add_argument("--together", action="store_true",
+                    help="start every system's server at once (GPU: a memory share each), then run the "
+                         "benchmarks one server at a time; start-up times then overlap")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--combine", nargs="+", default=None, metavar="DIR",
+                    help="no runs: merge the results.json of earlier runs (e.g. TP=1 and TP=2) into one "
+                         "table and plot in --out")
     args = ap.parse_args()
+    if args.combine:
+        combine([Path(d) for d in args.combine], Path(args.out))
+        return 0
 
     from vllm_loop.testing.checkpoints import make_checkpoint
     from vllm_loop.testing.engines import Server, on_gpu
@@ -97,23 +109,23 @@ def main() -> int:
     spec = json.loads(args.spec) if args.spec else spec
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = args.checkpoint
-    if ckpt is None:
-        ckpt = str(Path(tempfile.mkdtemp()) / args.shape)
+    ckpt = args.checkpoint or str(Path(tempfile.mkdtemp()) / args.shape)
+    if not Path(ckpt).exists():
         opts = dict(options) | ({"agreement": args.agreement} if float(args.agreement) > 0 else {})
         make_checkpoint(family, ckpt, options=opts, **overrides)
     cfg = json.loads((Path(ckpt) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
     systems = [s for s in args.systems.split(",") if s != "in-tree" or family == "ouro"]
-    vllm = str(Path(sys.executable).with_name("vllm"))
     common = ["--max-num-seqs", str(max(args.concurrency)), "--seed", str(args.seed)]
     common += ["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else []
     common += ["--distributed-executor-backend", "ray"] if args.ray else []
     common += args.server_args.split() if args.server_args else []
     if not on_gpu():
         common += ["--kv-cache-memory-bytes", str(2**30)]
-    rows = []
-    for system in systems:
+    if args.together and on_gpu():  # all servers side by side on the GPU(s): a share of memory each
+        common += ["--gpu-memory-utilization", f"{0.85 / len(systems):.2f}"]
+
+    def launch(system: str) -> Server:
         flags = list(common)
         saved = os.environ.get("VLLM_PLUGINS")
         if system == "in-tree":
@@ -121,23 +133,38 @@ def main() -> int:
             flags.append("--trust-remote-code")
         if system == "loopspec":
             flags += ["--speculative-config", json.dumps(spec)]
-        t0 = time.time()
         try:
-            server = Server(ckpt, *flags, log_path=str(out / f"server-{system}.log"), served_name="m", timeout=1200)
+            return Server(ckpt, *flags, log_path=str(out / f"server-{system}.log"), served_name="m", wait=False)
         finally:
             if saved is None:
                 os.environ.pop("VLLM_PLUGINS", None)
             else:
                 os.environ["VLLM_PLUGINS"] = saved
-        startup = time.time() - t0
-        try:
+
+    def ready(server: Server, t0: float) -> float:
+        server.wait_healthy(timeout=1200)
+        return round(time.time() - t0, 1)
+
+    servers: dict[str, tuple[Server, float]] = {}
+    if args.together:  # start-ups overlap (they are mostly compilation); the runs below stay one at a time
+        t0 = time.time()
+        launched = {system: launch(system) for system in systems}
+        servers = {system: (server, ready(server, t0)) for system, server in launched.items()}
+    rows = []
+    try:
+        for system in systems:
+            if system not in servers:
+                t0 = time.time()
+                server = launch(system)
+                servers[system] = (server, ready(server, t0))
+            server, startup = servers[system]
             for temperature in args.temperature:
                 for rate in args.request_rate:
                     for conc in args.concurrency:
                         before = scrape(server.base) if system == "loopspec" else {}
-                        res = bench(vllm, server.base, system, ckpt, args, temperature, rate, conc, out)
+                        res = bench(server.base, system, ckpt, args, temperature, rate, conc, out)
                         row = {"system": system, "temperature": temperature, "request_rate": rate,
-                               "concurrency": conc, "startup_s": round(startup, 1),
+                               "concurrency": conc, "startup_s": startup,
                                "output_tok_s": res["output_throughput"], "completed": res["completed"]}
                         for metric in ("ttft", "tpot", "itl"):
                             row[f"mean_{metric}_ms"] = res[f"mean_{metric}_ms"]
@@ -147,19 +174,73 @@ def main() -> int:
                             row["loopspec"] = acceptance(before, scrape(server.base), R)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-        finally:
+            if not args.together:
+                server.stop()
+    finally:
+        for server, _ in servers.values():
             server.stop()
     base = {(r["temperature"], r["request_rate"], r["concurrency"]): r for r in rows if r["system"] == "vanilla"}
     for r in rows:
         b = base.get((r["temperature"], r["request_rate"], r["concurrency"]))
         r["vs_vanilla"] = r["output_tok_s"] / b["output_tok_s"] if b else None
-    meta = {"shape": args.shape, "checkpoint": ckpt, "R": R, "spec": spec, "num_prompts": args.num_prompts,
+    meta = {"shape": args.shape, "together": args.together, "checkpoint": ckpt, "R": R, "spec": spec, "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed, "tp": args.tp,
             "ray": args.ray, "device": "gpu" if on_gpu() else "cpu"}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     write_table(rows, out / "table.md")
     plot(rows, out)
     return 0
+
+
+def _shares(ls: dict) -> str:
+    return f"{ls['first']:.0%} / {ls['second']:.0%} / {ls['full']:.0%}" if ls else ""
+
+
+def combine(dirs: list[Path], out: Path) -> None:
+    """One table (``combined.md``) and one PNG (``combined.png``: output tok/s and TPOT p50 vs
+    concurrency, one line per shape x TP x system) from several runs' ``results.json``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["| shape | TP | Ray | system | T | concurrency | output tok/s | vs vanilla | TPOT p50 ms | gamma "
+             "| commits first / second / full | lanes per step | server start s |", "|" + "---|" * 13]
+    shapes: dict[str, list] = {}
+    for d in dirs:
+        run = json.loads((d / "results.json").read_text())
+        meta = run["meta"]
+        shapes.setdefault(meta["shape"], []).append(run)
+        for r in run["rows"]:
+            ls = r.get("loopspec") or {}
+            lines.append(
+                f"| {meta['shape']} | {meta['tp']} | {'yes' if meta['ray'] else 'no'} | {r['system']} | "
+                f"{r['temperature']:g} | {r['concurrency']} | {r['output_tok_s']:.1f} | "
+                f"{'' if r['vs_vanilla'] is None else format(r['vs_vanilla'], '.2f')} | {r['p50_tpot_ms']:.2f} | "
+                f"{format(ls['gamma'], '.2f') if ls else ''} | "
+                f"{_shares(ls)} | "
+                f"{format(ls['lanes_per_step'], '.1f') if ls else ''} | {r['startup_s']} |")
+    (out / "combined.md").write_text("\n".join(lines) + "\n")
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 4 * len(shapes)), squeeze=False)
+    for (shape, runs), (ax_tok, ax_tpot) in zip(shapes.items(), axes):
+        for run in runs:
+            tp = run["meta"]["tp"]
+            for system in dict.fromkeys(r["system"] for r in run["rows"]):
+                pts = sorted((r["concurrency"], r["output_tok_s"], r["p50_tpot_ms"]) for r in run["rows"]
+                             if r["system"] == system and r["temperature"] == 0)
+                style = "o-" if tp == 1 else "s--"
+                label = f"{system}, TP={tp}"
+                ax_tok.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+                ax_tpot.plot([p[0] for p in pts], [p[2] for p in pts], style, label=label)
+        for ax, title in ((ax_tok, "output tok/s"), (ax_tpot, "TPOT p50 (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("max concurrency")
+            ax.set_title(f"{shape}: {title}")
+        ax_tok.legend()
+    fig.tight_layout()
+    fig.savefig(out / "combined.png", dpi=90)
+    plt.close(fig)
 
 
 def write_table(rows: list[dict], path: Path) -> None:
@@ -169,7 +250,7 @@ def write_table(rows: list[dict], path: Path) -> None:
         ls = r.get("loopspec") or {}
         ratio = "" if r["vs_vanilla"] is None else f"{r['vs_vanilla']:.2f}"
         gamma = f"{ls['gamma']:.2f}" if ls else ""
-        shares = f"{ls['first']:.0%} / {ls['second']:.0%} / {ls['full']:.0%}" if ls else ""
+        shares = _shares(ls)
         lines.append(
             f"| {r['system']} | {r['temperature']:g} | {r['request_rate']} | {r['concurrency']} | "
             f"{r['output_tok_s']:.1f} | {ratio} | {r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "

@@ -143,3 +143,9 @@ def test_client_disconnect_mid_stream_frees_kv_blocks_and_lanes(server):
     # and the server keeps serving
     ok = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [7], "max_tokens": 4})
     assert ok.status_code == 200
+
+
+def test_a_requested_shutdown_exits_zero(server):
+    """Last in this module: SIGTERM stops the server with status 0 (only an engine that died while
+    serving makes it exit 1: tests/test_serve_failures.py)."""
+    assert server.stop() == 0, server.log_tail()

@@ -41,6 +41,44 @@ def install() -> None:
     install_latent_config()
     install_latent_outputs()
     install_loopspec()
+    install_server_exit_status()
+
+
+# --- the API server ----------------------------------------------------------------------------------
+
+
+def install_server_exit_status() -> None:
+    """``vllm serve`` exits with status 0 when its engine dies (a killed worker, a dead Ray actor): the
+    watchdog in vllm/entrypoints/launcher.py stops uvicorn just as a requested shutdown does, so a
+    supervisor (systemd, Kubernetes, Ray Serve) reads a crash as a clean stop. Exit 1 instead.
+
+    ``serve_http`` returns the coroutine the caller awaits after the engine client is closed: vLLM's
+    ``dummy_shutdown`` when uvicorn stopped by itself, ``server.shutdown()`` after a signal. Stopped by
+    itself with the engine already errored = the engine died. Only in the API server process
+    (api_server is imported there before plugins load; ``serve_http`` is looked up at call time)."""
+    import sys
+
+    api = sys.modules.get("vllm.entrypoints.openai.api_server")
+    if api is None or getattr(api.serve_http, "vllm_loop", False):
+        return
+    serve_http = api.serve_http
+
+    async def serve_http_with_exit_status(app, *args, **kwargs):
+        shutdown = await serve_http(app, *args, **kwargs)
+        client = getattr(app.state, "engine_client", None)
+        died = getattr(shutdown, "__name__", "") == "dummy_shutdown" and client is not None and client.errored
+
+        async def finish():
+            result = await shutdown
+            if died:
+                logger.error("the engine died while serving (see above); exiting with status 1")
+                raise SystemExit(1)
+            return result
+
+        return finish()
+
+    serve_http_with_exit_status.vllm_loop = True
+    api.serve_http = serve_http_with_exit_status
 
 
 # --- latent reasoning (COCONUT, CODI, LOTUS) ---------------------------------------------------

@@ -129,30 +129,41 @@ def kv_cache_layout(worker) -> dict:
     }
 
 
+def vllm_cli() -> list[str]:
+    """The ``vllm`` command of this interpreter (its console script need not sit beside it)."""
+    import sys
+
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
 class Server:
     """``vllm serve MODEL`` in a subprocess on a free local port, for HTTP tests and examples."""
 
-    def __init__(self, model: str, *args: str, log_path: str, served_name: str = "tiny", timeout: float = 300):
+    def __init__(self, model: str, *args: str, log_path: str, served_name: str = "tiny", timeout: float = 300,
+                 wait: bool = True):
         import socket
         import subprocess
-        import sys
-        import time
-        from pathlib import Path
-
-        import requests
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        vllm = str(Path(sys.executable).with_name("vllm"))
         cpu = [] if on_gpu() else ["--dtype", "float32", "--gpu-memory-utilization", "0.1", "--enforce-eager"]
-        cmd = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+        cmd = [*vllm_cli(), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
                "--max-num-seqs", "8", "--served-model-name", served_name, *cpu, *args]
         env = dict(os.environ, VLLM_NO_USAGE_STATS="1")
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_healthy(timeout)
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        """Until ``/health`` answers 200; a server that exits or stays unhealthy raises with its log."""
+        import time
+
+        import requests
+
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -175,14 +186,16 @@ class Server:
 
         return requests.post(f"{self.base}{path}", json=body, timeout=120)
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """SIGTERM (vLLM's graceful shutdown); the exit code, or None when it had to be killed."""
         import subprocess
 
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=60)
+            return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            return None
 
 
 # -- driving an engine step by step (requests arriving while others decode, aborts) ------------------------
@@ -251,3 +264,63 @@ def free_kv_blocks(llm) -> int:
 def lane_census(worker) -> dict:
     """Live LoopSpec requests, lanes and free lane slots of a worker (``collective_rpc``)."""
     return worker.model_runner.drafter.lane_census()
+
+
+# -- failure: a process of the engine dies while a request streams ----------------------------------------
+def kill_while_streaming(server: Server, pid: int, *, exit_timeout: float = 180) -> dict:
+    """Stream a long completion from ``server``, SIGKILL ``pid`` (a worker of its engine) once the first
+    chunk arrived, and report what a client and a supervisor see: the stream's end (error event,
+    exception, or [DONE]), the server's exit code and how long it took (None: still running after
+    ``exit_timeout`` s, i.e. hung), and whether a new request is refused."""
+    import json
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    import requests
+
+    seen: dict = {"chunks": 0}
+
+    def stream() -> None:
+        body = {"model": "m", "prompt": "A looped model", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with requests.post(f"{server.base}/v1/completions", json=body, stream=True, timeout=300) as r:
+                seen["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line == b"data: [DONE]":
+                        seen["done"] = True
+                    elif line.startswith(b"data: "):
+                        payload = json.loads(line[6:])
+                        if "error" in payload:
+                            seen["error"] = payload["error"]
+                        seen["chunks"] += 1
+        except requests.RequestException as e:
+            seen["exception"] = repr(e)
+
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    deadline = time.time() + 120
+    while not seen["chunks"] and time.time() < deadline:
+        time.sleep(0.05)
+    if not seen["chunks"]:
+        raise RuntimeError(f"no streamed token within 120 s: {seen}\n{server.log_tail()}")
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    client.join(timeout=exit_timeout)
+    report = {"stream": seen, "client_hung": client.is_alive(), "exit_code": None, "exit_after_s": None}
+    try:
+        report["exit_code"] = server.proc.wait(timeout=exit_timeout)
+        report["exit_after_s"] = round(time.time() - killed_at, 1)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        after = requests.post(f"{server.base}/v1/completions", timeout=10,
+                              json={"model": "m", "prompt": "A", "max_tokens": 4})
+        report["new_request"] = after.status_code
+    except requests.RequestException as e:
+        report["new_request"] = type(e).__name__
+    report["stream_cut"] = bool(seen.get("error") or seen.get("exception")
+                                or (not seen.get("done") and seen["chunks"] < 400))
+    return report
