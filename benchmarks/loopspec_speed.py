@@ -5,14 +5,20 @@ one, so proposals get accepted; 0 = random weights), one engine per system, each
 subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
-* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``;
+* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on;
+* ``loopspec-auto`` -- the same with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
+* ``loopspec-fused`` -- lanes on, with vLLM's fused custom ops (``compilation_config.custom_ops =
+  ["all"]``): under torch.compile vLLM builds RMSNorm, SiLU-and-mul and rotary as native PyTorch
+  for Inductor to fuse, and the lanes, which call the layers eagerly, then run them unfused;
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy, ``ignore_eos``; the decode rate is
 c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
 ``--runs``. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
 commits per R recurrent steps), the commit shares and the lanes per recurrent step. Every ratio is
-taken against ``vanilla`` from the same run.
+taken against ``vanilla`` from the same run. Writes the JSON and, beside it, a PNG (tok/s vs
+concurrency, one line per system). ``--profile``: one more LoopSpec engine (lanes on, in-process)
+decodes one request under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
 
     python benchmarks/loopspec_speed.py --shape ouro-1.4b --agreement 0.005 --concurrency 1 4 \\
         --out benchmarks/results/loopspec-speed-ouro-1.4b-h200.json
@@ -38,17 +44,17 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
     "ouro-1.4b": ("ouro", {"remote_code": "true"}, dict(
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
         num_key_value_heads=16, head_dim=128, vocab_size=49152, max_position_embeddings=65536,
-        total_ut_steps=4, torch_dtype="bfloat16"), {"method": "loopspec", "d1": 1, "d2": 2}),
+        total_ut_steps=4, torch_dtype="bfloat16"), {"method": "loopspec", "d1": 1, "d2": 2, "lanes": "on"}),
     # Huginn-0125's sizes (3.5B: n_embd 5280, 2 prelude / 4 core / 2 coda sandwich blocks, FFN 17920,
     # vocab 65536, R=32). "-tp2": 44 heads of 120 instead of 55 of 96 (the same weights' shapes and
     # parameter count) because 55 heads do not split over 2 GPUs.
     "huginn-0125": ("huginn_raven", {"layout": "huginn", "state_init": "seeded"}, HUGINN_0125,
-                    {"method": "loopspec", "d1": 2, "d2": 8}),
+                    {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
     "huginn-0125-tp2": ("huginn_raven", {"layout": "huginn", "state_init": "seeded"}, HUGINN_0125 | {"n_heads": 44},
-                        {"method": "loopspec", "d1": 2, "d2": 8}),
-    "tiny-ouro": ("ouro", {"remote_code": "true"}, {}, {"method": "loopspec", "d1": 1, "d2": 2}),
+                        {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
+    "tiny-ouro": ("ouro", {"remote_code": "true"}, {}, {"method": "loopspec", "d1": 1, "d2": 2, "lanes": "on"}),
     "tiny-raven": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 32},
-                   {"method": "loopspec", "d1": 2, "d2": 8}),
+                   {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
 }
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
@@ -80,13 +86,17 @@ def worker(args) -> dict:
               enforce_eager=args.worker in args.eager.split(",") or not gpu,
               trust_remote_code=args.worker == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
-    if args.worker == "loopspec":
-        kw["speculative_config"] = json.loads(args.spec)
+    if args.worker.startswith("loopspec"):
+        spec = json.loads(args.spec)
+        spec["lanes"] = "auto" if args.worker == "loopspec-auto" else "on"
+        kw["speculative_config"] = spec
+    if args.worker == "loopspec-fused":
+        kw["compilation_config"] = {"custom_ops": ["all"]}
     t0 = time.time()
     llm = LLM(args.checkpoint, **kw)
     startup = time.time() - t0
     engine_totals = None
-    if args.worker == "loopspec":
+    if args.worker.startswith("loopspec"):
         from vllm_loop.loopspec.stat_logger import engine_totals
 
     def run(n: int, out_len: int) -> tuple[float, list[list[int]]]:
@@ -118,12 +128,73 @@ def worker(args) -> dict:
             "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu"}
 
 
+def profile(args) -> None:
+    """One request decodes 64 tokens with lanes on under ``torch.profiler`` (engine in this process):
+    the ops of the lane steps, totals per lane step, against the step count."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from vllm import LLM, SamplingParams
+
+    from vllm_loop.loopspec.stat_logger import engine_totals
+
+    gpu = torch.cuda.is_available()
+    cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    spec = json.loads(args.spec) | {"lanes": "on"}
+    llm = LLM(args.checkpoint, dtype=args.dtype, max_model_len=1024, max_num_seqs=4, seed=0,
+              enforce_eager="loopspec" in args.eager.split(",") or not gpu, speculative_config=spec,
+              **(dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)))
+    sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
+    prompt = _prompts(1, cfg["vocab_size"])
+    llm.generate(prompt, sp, use_tqdm=False)  # warm-up
+    before = engine_totals()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    t = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        llm.generate(prompt, sp, use_tqdm=False)
+        if gpu:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    d = engine_totals().minus(before)
+    sort = "cuda_time_total" if gpu else "cpu_time_total"
+    head = (f"{args.shape}, one request, 64 tokens, lanes on, {'GPU' if gpu else 'CPU'}: {wall * 1000:.1f} ms wall, "
+            f"{d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps "
+            f"({wall * 1000 / max(d.recurrent_steps, 1):.2f} ms each, {d.lanes_advanced / max(d.recurrent_steps, 1):.2f} "
+            f"lanes per step), gamma {d.summary(R)['gamma']:.2f}; ops sorted by {sort}:\n")
+    table = prof.key_averages().table(sort_by=sort, row_limit=40)
+    Path(args.out).with_suffix(".profile.txt").write_text(head + table + "\n")
+
+
+def plot(table: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in dict.fromkeys(r["system"] for r in table):
+        pts = sorted((r["concurrency"], r["tok_s"]) for r in table if r["system"] == system)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency (requests)")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"{args.shape}: decode speed, {json.loads(args.spec)}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="ouro-1.4b")
     ap.add_argument("--agreement", default="0.005", help="factory agreement option (0: random weights)")
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
-    ap.add_argument("--systems", default="vanilla,loopspec", help="comma-separated: vanilla, loopspec, in-tree")
+    ap.add_argument("--systems", default="vanilla,loopspec",
+                    help="comma-separated: vanilla, loopspec, loopspec-auto, loopspec-fused, in-tree")
+    ap.add_argument("--profile", action="store_true", help="also profile lane steps (torch.profiler)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="heldout: held-out corpus lines (for trained checkpoints)")
@@ -137,6 +208,9 @@ def main() -> int:
     args = ap.parse_args()
     family, options, overrides, spec = SHAPES[args.shape]
     args.spec = args.spec or json.dumps(spec)
+    if args.worker == "profile":
+        profile(args)
+        return 0
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
@@ -187,6 +261,15 @@ def main() -> int:
            "systems": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    plot(table, args, Path(args.out).with_suffix(".png"))
+    if args.profile:
+        cmd = [sys.executable, __file__, "--worker", "profile", "--shape", args.shape, "--spec", args.spec,
+               "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+            raise SystemExit(f"profile: the worker failed (exit {proc.returncode})")
+        print(Path(args.out).with_suffix(".profile.txt").read_text())
     for row in table:
         print(json.dumps(row))
     return 0

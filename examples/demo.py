@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-LOOPSPEC = {"method": "loopspec", "d1": 1, "d2": 2}
+LOOPSPEC = {"method": "loopspec", "d1": 1, "d2": 2, "lanes": "on"}
 
 
 def generate(llm, prompts, params):

@@ -162,10 +162,10 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
 
 
 LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
-    "ouro-1:2": ("ouro", {}, {}, {"method": "loopspec", "d1": 1, "d2": 2}),
-    "ouro-agree-1:2": ("ouro", {"agreement": "0.005"}, {}, {"method": "loopspec", "d1": 1, "d2": 2}),
+    "ouro-1:2": ("ouro", {}, {}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}),
+    "ouro-agree-1:2": ("ouro", {"agreement": "0.005"}, {}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}),
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
-                            {"mean_recurrence": 32}, {"method": "loopspec", "d1": 2, "d2": 8}),
+                            {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
 }
 
 

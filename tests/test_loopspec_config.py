@@ -46,7 +46,8 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     spec = cfg.speculative_config
     assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
     assert spec.num_speculative_tokens == 4  # ceil(R / d1)
-    assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7}
+    assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
+                                                  "lanes": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -55,12 +56,13 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"})
     cfg = _config(path, {"method": "loopspec", "d1": 2, "d2": 8, "gate": False},
                   hf_overrides={"mean_recurrence": 32})
-    assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64}
+    assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
+                                                  "lanes": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
 BAD = [
-    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes"),
+    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, lanes"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
     ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
@@ -71,6 +73,7 @@ BAD = [
     ({"method": "loopspec", "d2": 2}, "d2 needs d1"),
     ({"method": "loopspec", "gate": "yes"}, "gate='yes' is invalid: gate must be true or false"),
     ({"method": "loopspec", "max_lanes": 0}, "max_lanes=0 is invalid: max_lanes must be >= 1"),
+    ({"method": "loopspec", "lanes": "off"}, "lanes='off' is invalid; allowed values: 'auto', 'on'"),
 ]
 
 

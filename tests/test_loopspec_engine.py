@@ -75,17 +75,17 @@ CHECKPOINTS = {  # name -> (family, options, config overrides)
 }
 # (checkpoint, speculative config, engine options)
 GREEDY_CASES = {
-    "ouro-1": ("ouro", {"method": "loopspec", "d1": 1}, {}),
-    "ouro-1:2": ("ouro", {"method": "loopspec", "d1": 1, "d2": 2}, {}),
-    "ouro-agree-1:2": ("ouro-agree", {"method": "loopspec", "d1": 1, "d2": 2}, {}),
-    "ouro-1:2-chunked": ("ouro", {"method": "loopspec"}, {"max_num_batched_tokens": 16}),
-    "raven-R8-2:4": ("raven-llama-R8", {"method": "loopspec", "d1": 2, "d2": 4}, {}),
-    "raven-R8-2:4-no-prefix-cache": ("raven-llama-R8", {"method": "loopspec", "d1": 2, "d2": 4},
+    "ouro-1": ("ouro", {"method": "loopspec", "lanes": "on", "d1": 1}, {}),
+    "ouro-1:2": ("ouro", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}, {}),
+    "ouro-agree-1:2": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}, {}),
+    "ouro-1:2-chunked": ("ouro", {"method": "loopspec", "lanes": "on"}, {"max_num_batched_tokens": 16}),
+    "raven-R8-2:4": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4}, {}),
+    "raven-R8-2:4-no-prefix-cache": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4},
                                      {"enable_prefix_caching": False}),
-    "raven-R32-2:8": ("raven-olmo2-R32", {"method": "loopspec", "d1": 2, "d2": 8}, {}),
-    "raven-R32-4:8-chunked": ("raven-olmo2-R32", {"method": "loopspec", "d1": 4, "d2": 8},
+    "raven-R32-2:8": ("raven-olmo2-R32", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}, {}),
+    "raven-R32-4:8-chunked": ("raven-olmo2-R32", {"method": "loopspec", "lanes": "on", "d1": 4, "d2": 8},
                               {"max_num_batched_tokens": 16}),
-    "huginn-R32-2:8": ("huginn-R32", {"method": "loopspec", "d1": 2, "d2": 8}, {}),
+    "huginn-R32-2:8": ("huginn-R32", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}, {}),
 }
 ENGINE = dict(block_size=16, max_model_len=128)
 
@@ -141,6 +141,59 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         assert hits > 0, "the shared prefixes must hit the prefix cache"
 
 
+# -- lanes "auto": the policy switches whole engine steps between lanes and plain decoding -------------------------
+@pytest.mark.engine
+@pytest.mark.parametrize("slow", ["lanes", "plain"])
+def test_auto_lanes_stay_exact_and_pick_the_faster_mode(slow, greedy_reference, monkeypatch):
+    """``lanes: auto`` (the default): per batch-size bucket the scheduler tries lanes and plain decoding,
+    then runs the faster. One mode is made slow here (40 ms more per step): the policy must run the
+    other for almost every step, and the switching (lanes dropped, restarted after a plain step) must
+    keep every token equal to vanilla's and give back every KV block and lane."""
+    import functools
+    import time
+
+    from vllm_loop.loopspec import policy, runner
+
+    monkeypatch.setattr(policy.LanePolicy, "__init__",
+                        functools.partialmethod(policy.LanePolicy.__init__, trial=2, recheck=10**6))
+    if slow == "lanes":
+        original = runner.LoopSpecRunner._finish_lane_step
+
+        def slowed(self, *args):
+            time.sleep(0.04)
+            return original(self, *args)
+
+        monkeypatch.setattr(runner.LoopSpecRunner, "_finish_lane_step", slowed)
+    else:
+        original = runner.LoopSpecRunner.after_standard_step
+
+        def slowed(self, run, so, output):
+            if not runner._lanes_on(so):
+                time.sleep(0.04)
+            return original(self, run, so, output)
+
+        monkeypatch.setattr(runner.LoopSpecRunner, "after_standard_step", slowed)
+    path, vanilla = greedy_reference("ouro-agree")
+    llm = _engine(path, {"method": "loopspec", "d1": 1, "d2": 2}, **ENGINE)
+    try:
+        free_before = free_kv_blocks(llm)
+        got = run_jobs(llm, greedy_jobs())
+        totals = _totals(llm)
+        assert free_kv_blocks(llm) == free_before
+        census = llm.collective_rpc(lane_census)[0]
+    finally:
+        stop_llm(llm)
+    assert got == vanilla
+    assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
+    lane, plain = totals["lane_steps"], totals["plain_steps"]
+    assert lane > 0 and plain > 0, totals  # both were tried
+    # five buckets (1, 2, 4, 8, 16 requests) x 2 trial steps of the slow mode, plus switches
+    if slow == "lanes":
+        assert lane <= 12 and plain > 3 * lane, totals
+    else:
+        assert plain <= 20 and lane > 2 * plain, totals
+
+
 # -- sampling: the distribution through the engine --------------------------------------------------------------
 PROMPT = [3, 14, 15]
 N_TOKENS = 3
@@ -166,7 +219,7 @@ def sampling_setup(ckpt_factory):
         ordinary = {name: _samples(vanilla, p, n, seed0=10**6) for name, (p, n) in SAMPLING_CASES.items()}
     finally:
         stop_llm(vanilla)
-    llm = _engine(path, {"method": "loopspec", "d1": 1, "d2": 2}, max_num_seqs=64)
+    llm = _engine(path, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}, max_num_seqs=64)
     yield {"llm": llm, "exact": exact, "ordinary": ordinary}
     stop_llm(llm)
 
@@ -224,7 +277,7 @@ def test_aborts_and_preemption_leave_nothing_behind(ckpt_factory):
     from vllm_loop.reference import load_reference
 
     path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"}, mean_recurrence=8)
-    llm = _engine(path, {"method": "loopspec", "d1": 2, "d2": 4}, block_size=16, max_model_len=128,
+    llm = _engine(path, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4}, block_size=16, max_model_len=128,
                   num_gpu_blocks_override=12)
     jobs = greedy_jobs(seed=3, aborts=4)
     try:
@@ -275,7 +328,7 @@ def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
         want, want_lp = run(vanilla)
     finally:
         stop_llm(vanilla)
-    llm = _engine(path, {"method": "loopspec"})
+    llm = _engine(path, {"method": "loopspec", "lanes": "on"})
     try:
         got, got_lp = run(llm)
         # vLLM itself refuses these with any speculative decoding, before the engine sees them

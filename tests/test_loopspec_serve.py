@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-SPEC = '{"method": "loopspec", "d1": 1, "d2": 2}'
+SPEC = '{"method": "loopspec", "d1": 1, "d2": 2, "lanes": "on"}'
 
 
 @pytest.fixture(scope="module")

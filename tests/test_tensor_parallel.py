@@ -83,7 +83,7 @@ def _engine(ckpt_factory, name: str, **kw):
 @pytest.fixture(scope="module", params=LOOPED)
 def looped(request, ckpt_factory):
     # R=4 for every tiny looped checkpoint: LoopSpec 1:2
-    with _engine(ckpt_factory, request.param, speculative_config={"method": "loopspec", "d1": 1, "d2": 2},
+    with _engine(ckpt_factory, request.param, speculative_config={"method": "loopspec", "d1": 1, "d2": 2, "lanes": "on"},
                  block_size=16, kv_cache_memory_bytes=2**27) as engine:
         yield engine
 

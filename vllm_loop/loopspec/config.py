@@ -12,8 +12,10 @@ plugin translates a loopspec config before vLLM sees it (``vllm_patches.install_
 
 Knobs: ``d1`` (first-proposal depth), ``d2`` (second-proposal depth; omitted: single-proposal
 mode), ``gate`` (the paper's gate on the second proposal, default true), ``max_lanes`` (cap on
-one request's live lanes; default: the schedule's bound, at most 64). Both depths omitted: the
-family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
+one request's live lanes; default: the schedule's bound, at most 64), ``lanes`` (``"auto"``, the
+default: each decode step runs lanes or plain decoding, whichever has measured faster at that batch
+size, see ``policy.py``; ``"on"``: always lanes). Both depths omitted: the family default (Ouro 1:2
+at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from __future__ import annotations
 import math
 
 from vllm_loop import get_logger
+from vllm_loop.loopspec.policy import LANES_MODES
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 
 logger = get_logger(__name__)
 
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes")
+KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -110,9 +113,14 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
             "speculative_config (loopspec) verifies every token at full depth R, but this deployment reads "
             "another depth (early_exit_step / early_exit_threshold < 1): remove those overrides or loopspec")
     schedule, max_lanes = build_schedule(config, family, R)
-    knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes}
+    lanes = config.get("lanes", "auto")
+    if lanes not in LANES_MODES:
+        raise ValueError(f"speculative_config (loopspec): lanes={lanes!r} is invalid; allowed values: "
+                         f"{', '.join(map(repr, LANES_MODES))}")
+    knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
+             "lanes": lanes}
     spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
-    logger.info("LoopSpec on: %s, lanes per request <= %d (%s)", schedule.describe(), max_lanes,
+    logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")
     return spec, knobs
 

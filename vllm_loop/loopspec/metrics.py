@@ -194,6 +194,7 @@ class EngineCounters:
     gate_evaluations: int = 0
     gate_opens: int = 0
     standard_steps: int = 0  # engine steps in which lane requests decoded on vLLM's ordinary forward
+    plain_steps: int = 0  # engine steps decoded without lanes: the lanes policy found that faster
     chain_rows: int = 0  # requests whose lane chain was verified there
     chain_drafts: int = 0  # lane-chain tokens verified there as drafts
     chain_accepted: int = 0
@@ -226,7 +227,7 @@ class EngineCounters:
         s = self.summary(R)
         return ("LoopSpec: gamma {gamma:.2f} (max {R}), commits first {f:.1%} second {s2:.1%} full {u:.1%}, "
                 "gate open {g:.1%}, lanes per recurrent step {l:.2f}, recurrent steps {rs}, lane steps {ls}, "
-                "prefill-joined steps {ss}").format(
+                "prefill-joined steps {ss}, plain steps {ps}").format(
             gamma=s["gamma"], R=R, f=s["shares"]["first"], s2=s["shares"]["second"], u=s["shares"]["full"],
             g=s["gate_open_rate"], l=s["lanes_per_step"], rs=self.recurrent_steps, ls=self.lane_steps,
-            ss=self.standard_steps)
+            ss=self.standard_steps, ps=self.plain_steps)

@@ -15,6 +15,10 @@ plugin hooks ``GPUModelRunner.execute_model`` and ``sample_tokens`` (``vllm_patc
   (lossless), and afterwards each request keeps the lanes on the committed path
   (``after_standard_step``), starts its pipeline after its prefill, or restarts.
 
+A step the scheduler marks plain (``loopspec_lanes`` False: the lanes policy, ``policy.py``) is
+vLLM's own forward without drafts; afterwards the requests hold no lanes until a step marked for
+lanes restarts them.
+
 The algorithm lives in ``pipeline.py``; lane KV and attention in ``lane_kv.py``; this module only
 moves tensors and keeps vLLM's books (input batch, request states, drafts, output).
 """
@@ -38,6 +42,11 @@ from vllm_loop.loopspec.verify import CommitSource
 from vllm_loop.models.layers import bank_prefix, lane_attention
 
 logger = get_logger(__name__)
+
+
+def _lanes_on(so) -> bool:
+    """The lanes policy's decision for this step (set by ``LoopSpecScheduler.schedule``)."""
+    return getattr(so, "loopspec_lanes", True)
 
 
 def lane_sampling(sp) -> SamplingParams | None:
@@ -117,7 +126,7 @@ class LoopSpecRunner:
     def execute_model(self, runner, scheduler_output):
         """Serve the step with lanes and return its ``ModelRunnerOutput``, or None for vLLM's path."""
         self._forget(scheduler_output)
-        if not self._is_lane_step(scheduler_output):
+        if not _lanes_on(scheduler_output) or not self._is_lane_step(scheduler_output):
             return None
         runner._update_states(scheduler_output)
         self._ensure_storage(runner)
@@ -150,6 +159,12 @@ class LoopSpecRunner:
         """After vLLM's own step: keep each request's lanes on the committed path (or start them),
         then hand the chains back as drafts."""
         if output is None or not getattr(output, "req_ids", None):
+            return
+        if not _lanes_on(scheduler_output):  # the policy chose plain decoding: no lanes, no drafts
+            for req_id in output.req_ids:
+                self._drop(req_id)
+            self._step.plain_steps += 1
+            self._set_drafts(runner)
             return
         self._ensure_storage(runner)
         counted = False

@@ -13,17 +13,24 @@ cascade verifications instead (vLLM's names, LoopSpec's meaning):
 
 The full LoopSpec counters (recurrent steps, lanes, gate) are published as running totals to a
 small JSON file that the front end's stat logger (``stat_logger.py``) turns into ``/metrics``.
+
+The scheduler also takes the lanes policy's decision for each step (``policy.py``: lanes or plain
+decoding, from the engine-step throughput each mode has shown at this batch size). It travels to
+every worker as ``scheduler_output.loopspec_lanes``, so tensor-parallel ranks never disagree.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
+from vllm_loop.loopspec.config import knobs
 from vllm_loop.loopspec.metrics import EngineCounters
+from vllm_loop.loopspec.policy import LanePolicy, StepSample
 
 METRICS_ENV = "VLLM_LOOP_METRICS_FILE"  # set by the front end when it translates a loopspec config
 
@@ -47,6 +54,23 @@ def loopspec_spec_stats(step: EngineCounters, num_spec_tokens: int) -> SpecDecod
     return stats
 
 
+def step_sample(so, output, step: EngineCounters | None, seconds: float) -> StepSample | None:
+    """A policy sample from a finished step that ran in the mode the policy chose for it: a lane step,
+    or a plain step of decode rows with no drafts. Other steps (a prefill joined, a chain verified as
+    drafts) say little about either mode's speed."""
+    lanes = getattr(so, "loopspec_lanes", True)
+    if output is None or not so.num_scheduled_tokens or not getattr(output, "sampled_token_ids", None):
+        return None
+    if lanes:
+        if step is None or not step.lane_steps:
+            return None
+    elif (so.scheduled_new_reqs or so.scheduled_cached_reqs.resumed_req_ids or so.scheduled_spec_decode_tokens
+          or any(n != 1 for n in so.num_scheduled_tokens.values())):
+        return None
+    tokens = sum(len(t) for t in output.sampled_token_ids)
+    return StepSample(lanes=lanes, rows=len(so.num_scheduled_tokens), tokens=tokens, seconds=seconds)
+
+
 class LoopSpecScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -55,9 +79,21 @@ class LoopSpecScheduler(Scheduler):
         base = os.environ.get(METRICS_ENV)
         index = self.vllm_config.parallel_config.data_parallel_rank
         self._metrics_file = metrics_path(base, index) if base else None
+        self.lane_policy = LanePolicy((knobs(self.vllm_config) or {}).get("lanes", "on"))
+        self._step_start = 0.0
+
+    def schedule(self, *args, **kwargs):
+        self._step_start = time.perf_counter()
+        so = super().schedule(*args, **kwargs)
+        so.loopspec_lanes = self.lane_policy.lanes(len(so.num_scheduled_tokens))
+        return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self._loopspec_step = getattr(model_runner_output, "loopspec", None)
+        sample = step_sample(scheduler_output, model_runner_output, self._loopspec_step,
+                             time.perf_counter() - self._step_start)
+        if sample is not None:
+            self.lane_policy.observe(sample)
         if self._loopspec_step is not None:
             self.loopspec_totals.add(self._loopspec_step)
             self._publish()

@@ -9,7 +9,8 @@ nothing.
 Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{source=first|second|full}``,
 ``..._recurrent_steps_total``, ``..._lanes_advanced_total``, ``..._request_steps_total``,
 ``..._gate_evaluations_total``, ``..._gate_opens_total``, ``..._lane_steps_total``,
-``..._prefill_joined_steps_total``, ``..._chain_drafts_total``, ``..._chain_accepted_total``, and the
+``..._prefill_joined_steps_total``, ``..._chain_drafts_total``, ``..._chain_accepted_total``,
+``..._plain_steps_total`` (decode steps the lanes policy ran without lanes), and the
 gauges ``vllm_loop:loopspec_gamma`` (tokens a request commits per R recurrent steps, since start)
 and ``vllm_loop:loopspec_lanes_per_step``.
 """
@@ -33,6 +34,7 @@ COUNTERS = {  # counter name -> EngineCounters field
     "recurrent_steps": "recurrent_steps", "lanes_advanced": "lanes_advanced", "request_steps": "request_steps",
     "gate_evaluations": "gate_evaluations", "gate_opens": "gate_opens", "lane_steps": "lane_steps",
     "prefill_joined_steps": "standard_steps", "chain_drafts": "chain_drafts", "chain_accepted": "chain_accepted",
+    "plain_steps": "plain_steps",
 }
 _metrics: dict | None = None  # created once per process (Prometheus names are global)
 
@@ -101,7 +103,7 @@ class LoopSpecStatLogger(StatLoggerBase):
         if not self.enabled:
             return
         interval = self.seen.minus(self.logged)
-        if interval.recurrent_steps or interval.standard_steps:
+        if interval.recurrent_steps or interval.standard_steps or interval.plain_steps:
             logger.info("%s", interval.log_line(self.R))
         self.logged = self.seen
 

@@ -1,0 +1,62 @@
+"""The lanes policy (``vllm_loop/loopspec/policy.py``): per batch-size bucket, try lanes, try plain
+decoding, then run the faster and re-check the other now and then. Pure: no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_loop.loopspec.policy import LanePolicy, StepSample, bucket_of
+
+
+def _run(policy: LanePolicy, rows: int, steps: int, speed: dict[bool, float]) -> list[bool]:
+    """``steps`` engine steps of ``rows`` requests; a mode commits ``speed[mode]`` tokens per second."""
+    chosen = []
+    for _ in range(steps):
+        lanes = policy.lanes(rows)
+        chosen.append(lanes)
+        policy.observe(StepSample(lanes=lanes, rows=rows, tokens=rows * (3 if lanes else 1),
+                                  seconds=rows * (3 if lanes else 1) / speed[lanes]))
+    return chosen
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65, 128)] == [1, 2, 4, 4, 8, 8, 16, 64, 128, 128]
+
+
+@pytest.mark.parametrize("lanes_faster", [True, False])
+def test_tries_both_then_runs_the_faster(lanes_faster):
+    policy = LanePolicy(trial=4, recheck=50)
+    speed = {True: 300.0, False: 100.0} if lanes_faster else {True: 40.0, False: 100.0}
+    chosen = _run(policy, rows=1, steps=200, speed=speed)
+    assert chosen[:8] == [True] * 4 + [False] * 4  # the trials
+    after = chosen[8:]
+    # the faster mode, except a re-check of the other (trial steps) every `recheck` decisions
+    assert after.count(lanes_faster) == len(after) - 4 * (len(after) // 50)
+    assert policy.describe()[1] == {"lanes": speed[True], "plain": speed[False]}
+
+
+def test_each_batch_size_bucket_decides_for_itself():
+    policy = LanePolicy(trial=2, recheck=1000)
+    _run(policy, rows=1, steps=20, speed={True: 300.0, False: 100.0})
+    _run(policy, rows=40, steps=20, speed={True: 500.0, False: 2000.0})  # compute-bound: lanes lose
+    assert policy.lanes(1) is True and policy.lanes(3) is True  # bucket 1 chose lanes; bucket 4 still trying
+    assert policy.lanes(33) is False and policy.lanes(64) is False
+
+
+def test_a_recheck_follows_a_change():
+    """Acceptance drops (new text): lanes were faster, then measure slower and plain takes over, lanes
+    getting only their re-check trials; when lanes speed up again, a re-check brings them back."""
+    policy = LanePolicy(trial=3, recheck=20)
+    _run(policy, rows=2, steps=40, speed={True: 300.0, False: 100.0})
+    assert policy.lanes(2) is True
+    chosen = _run(policy, rows=2, steps=60, speed={True: 50.0, False: 100.0})
+    assert chosen[-40:].count(True) <= 2 * 3
+    chosen = _run(policy, rows=2, steps=60, speed={True: 400.0, False: 100.0})
+    assert chosen[-20:].count(False) <= 3  # at most one re-check trial of plain decoding
+
+
+def test_on_always_runs_lanes_and_bad_modes_are_refused():
+    policy = LanePolicy("on")
+    assert _run(policy, rows=4, steps=20, speed={True: 1.0, False: 1000.0}) == [True] * 20
+    with pytest.raises(ValueError, match="lanes='off': allowed values: auto, on"):
+        LanePolicy("off")
