@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -38,9 +38,12 @@ def main() -> int:
         print(f"error: --tp {args.tp} needs {args.tp} NVIDIA GPUs, found {torch.cuda.device_count()} "
               "(vLLM's CPU platform does not support the Ray executor)", file=sys.stderr)
         return 2
-    if shutil.which("ray") is None:
+    if importlib.util.find_spec("ray") is None:
         print("error: Ray is not installed: pip install 'vllm-loop[ray]'", file=sys.stderr)
         return 2
+    from vllm_loop.testing.engines import vllm_cli
+
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]  # the `ray` command, wherever pip put it
     model = args.model
     if args.tiny:
         from vllm_loop.testing.checkpoints import make_checkpoint
@@ -49,8 +52,8 @@ def main() -> int:
     if model is None:
         ap.error("give a checkpoint folder or --tiny")
 
-    subprocess.run(["ray", "start", "--head", f"--num-gpus={torch.cuda.device_count()}"], check=True)
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", model, "--served-model-name", "m",
+    subprocess.run([*ray_cli, "start", "--head", f"--num-gpus={torch.cuda.device_count()}"], check=True)
+    cmd = [*vllm_cli(), "serve", model, "--served-model-name", "m",
            "--port", str(args.port), "--tensor-parallel-size", str(args.tp), "--distributed-executor-backend", "ray"]
     if args.spec:
         cmd += ["--speculative-config", args.spec]
@@ -87,7 +90,7 @@ def main() -> int:
             server.wait(timeout=120)
         except subprocess.TimeoutExpired:
             server.kill()
-        subprocess.run(["ray", "stop"], check=False)
+        subprocess.run([*ray_cli, "stop"], check=False)
 
 
 if __name__ == "__main__":
