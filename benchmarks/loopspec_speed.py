@@ -72,29 +72,38 @@ def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None
     return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(PROMPT_LEN)]} for i in range(n)]
 
 
+def _start(args, system: str, max_num_seqs: int):
+    """The engine of one system on the benchmark's settings: ``(llm, engine kwargs, config.json, R,
+    start-up seconds)``."""
+    import torch
+    from vllm import LLM
+
+    gpu = torch.cuda.is_available()
+    cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
+              enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
+    kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
+    if system.startswith("loopspec"):
+        spec = json.loads(args.spec)
+        spec["lanes"] = "auto" if system == "loopspec-auto" else "on"
+        kw["speculative_config"] = spec
+    if system == "loopspec-fused":
+        kw["compilation_config"] = {"custom_ops": ["all"]}
+    t0 = time.time()
+    llm = LLM(args.checkpoint, **kw)
+    return llm, kw, cfg, R, time.time() - t0
+
+
 def worker(args) -> dict:
     """One system: start its engine, measure every concurrency, print one JSON line."""
     if args.worker == "in-tree":
         os.environ["VLLM_PLUGINS"] = "none"  # no general plugin: vLLM's own OuroForCausalLM
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     gpu = torch.cuda.is_available()
-    cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
-    R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
-    kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.concurrency), seed=0,
-              enforce_eager=args.worker in args.eager.split(",") or not gpu,
-              trust_remote_code=args.worker == "in-tree")
-    kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
-    if args.worker.startswith("loopspec"):
-        spec = json.loads(args.spec)
-        spec["lanes"] = "auto" if args.worker == "loopspec-auto" else "on"
-        kw["speculative_config"] = spec
-    if args.worker == "loopspec-fused":
-        kw["compilation_config"] = {"custom_ops": ["all"]}
-    t0 = time.time()
-    llm = LLM(args.checkpoint, **kw)
-    startup = time.time() - t0
+    llm, kw, cfg, R, startup = _start(args, args.worker, max(args.concurrency))
     engine_totals = None
     if args.worker.startswith("loopspec"):
         from vllm_loop.loopspec.stat_logger import engine_totals
@@ -134,17 +143,12 @@ def profile(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_loop.loopspec.stat_logger import engine_totals
 
     gpu = torch.cuda.is_available()
-    cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
-    R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
-    spec = json.loads(args.spec) | {"lanes": "on"}
-    llm = LLM(args.checkpoint, dtype=args.dtype, max_model_len=1024, max_num_seqs=4, seed=0,
-              enforce_eager="loopspec" in args.eager.split(",") or not gpu, speculative_config=spec,
-              **(dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)))
+    llm, _, cfg, R, _ = _start(args, "loopspec", max_num_seqs=4)
     sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
     prompt = _prompts(1, cfg["vocab_size"])
     llm.generate(prompt, sp, use_tqdm=False)  # warm-up
