@@ -5,7 +5,9 @@ one, so proposals get accepted; 0 = random weights), one engine per system, each
 subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
-* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on;
+* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on
+  (lane calls replayed from CUDA graphs on a GPU: ``lane_graphs`` "auto");
+* ``loopspec-nographs`` -- the same with eager lane calls (``"lane_graphs": "off"``);
 * ``loopspec-auto`` -- the same with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
 * ``loopspec-fused`` -- lanes on, with vLLM's fused custom ops (``compilation_config.custom_ops =
   ["all"]``): under torch.compile vLLM builds RMSNorm, SiLU-and-mul and rotary as native PyTorch
@@ -88,6 +90,8 @@ def _start(args, system: str, max_num_seqs: int):
         spec = json.loads(args.spec)
         spec["lanes"] = "auto" if system == "loopspec-auto" else "on"
         kw["speculative_config"] = spec
+    if system == "loopspec-nographs":
+        kw["speculative_config"]["lane_graphs"] = "off"
     if system == "loopspec-fused":
         kw["compilation_config"] = {"custom_ops": ["all"]}
     t0 = time.time()
@@ -137,9 +141,17 @@ def worker(args) -> dict:
             "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu"}
 
 
+def _core_weight_bytes(worker) -> int:
+    """Bytes of the weights one recurrent step reads: the shared block (Ouro: every layer; Raven: the core)."""
+    model = worker.model_runner.model
+    core = "core_block." if hasattr(model, "transformer") else "layers."
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if core in n)
+
+
 def profile(args) -> None:
-    """One request decodes 64 tokens with lanes on under ``torch.profiler`` (engine in this process):
-    the ops of the lane steps, totals per lane step, against the step count."""
+    """One request decodes 64 tokens with lanes on (engine in this process): once plainly timed, once
+    under ``torch.profiler``: ms per recurrent step, GPU kernel time per step, against the floor of one
+    pass over the shared block's weights at the H200's nominal 4.8 TB/s; the op table."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -148,10 +160,15 @@ def profile(args) -> None:
     from vllm_loop.loopspec.stat_logger import engine_totals
 
     gpu = torch.cuda.is_available()
-    llm, _, cfg, R, _ = _start(args, "loopspec", max_num_seqs=4)
+    llm, kw, cfg, R, _ = _start(args, "loopspec", max_num_seqs=4)
     sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
     prompt = _prompts(1, cfg["vocab_size"])
-    llm.generate(prompt, sp, use_tqdm=False)  # warm-up
+    llm.generate(prompt, sp, use_tqdm=False)  # warm-up (and lane graph capture)
+    before = engine_totals()
+    t = time.perf_counter()
+    llm.generate(prompt, sp, use_tqdm=False)
+    plain = time.perf_counter() - t
+    d_plain = engine_totals().minus(before)
     before = engine_totals()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     t = time.perf_counter()
@@ -161,13 +178,25 @@ def profile(args) -> None:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t
     d = engine_totals().minus(before)
+    steps = max(d.recurrent_steps, 1)
+    events = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in events  # kernels only (ops would count them twice)
+                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1000
+    floor_ms = llm.collective_rpc(_core_weight_bytes)[0] / 4.8e12 * 1000
     sort = "cuda_time_total" if gpu else "cpu_time_total"
-    head = (f"{args.shape}, one request, 64 tokens, lanes on, {'GPU' if gpu else 'CPU'}: {wall * 1000:.1f} ms wall, "
-            f"{d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps "
-            f"({wall * 1000 / max(d.recurrent_steps, 1):.2f} ms each, {d.lanes_advanced / max(d.recurrent_steps, 1):.2f} "
-            f"lanes per step), gamma {d.summary(R)['gamma']:.2f}; ops sorted by {sort}:\n")
-    table = prof.key_averages().table(sort_by=sort, row_limit=40)
+    graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
+        not kw["enforce_eager"] else "eager"
+    head = (f"{args.shape}, one request, 64 tokens, lanes on, lane calls {graphs}, {'GPU' if gpu else 'CPU'}, "
+            f"{'enforce_eager' if kw['enforce_eager'] else 'compiled'} engine:\n"
+            f"  unprofiled: {plain * 1000:.1f} ms, {d_plain.recurrent_steps} recurrent steps, "
+            f"{plain * 1000 / max(d_plain.recurrent_steps, 1):.2f} ms per recurrent step (whole engine time / steps)\n"
+            f"  profiled: {wall * 1000:.1f} ms wall, {d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps, "
+            f"{d.lanes_advanced / steps:.2f} lanes per step, gamma {d.summary(R)['gamma']:.2f}\n"
+            f"  GPU kernel time {kernel_ms / steps:.3f} ms per recurrent step; floor (one pass over the shared "
+            f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n  ops sorted by {sort}:\n")
+    table = events.table(sort_by=sort, row_limit=40)
     Path(args.out).with_suffix(".profile.txt").write_text(head + table + "\n")
+    print(head, flush=True)
 
 
 def plot(table: list[dict], args, path: Path) -> None:
@@ -197,15 +226,15 @@ def main() -> int:
     ap.add_argument("--agreement", default="0.005", help="factory agreement option (0: random weights)")
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
     ap.add_argument("--systems", default="vanilla,loopspec",
-                    help="comma-separated: vanilla, loopspec, loopspec-auto, loopspec-fused, in-tree")
+                    help="comma-separated: vanilla, loopspec, loopspec-auto, loopspec-nographs, loopspec-fused, in-tree")
     ap.add_argument("--profile", action="store_true", help="also profile lane steps (torch.profiler)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="heldout: held-out corpus lines (for trained checkpoints)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (the lanes "
-                    "always run eagerly; an eager LoopSpec engine only saves compile time at start-up)")
+    ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (vLLM's "
+                    "forward and the lane calls eager: saves compile time at start-up)")
     ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

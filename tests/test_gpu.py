@@ -167,12 +167,21 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
 }
+LANE_GRAPHS = [("ouro-1:2", "auto"), ("ouro-agree-1:2", "auto"), ("ouro-agree-1:2", "off"),
+               ("raven-olmo2-R32-2:8", "auto"), ("raven-olmo2-R32-2:8", "off")]
 
 
-@pytest.mark.parametrize("name", list(LOOPSPEC))
-def test_loopspec_greedy_identity_compiled(ckpt_factory, name):
-    """fp32, vLLM's default compilation (the lanes themselves run eagerly): 16 requests arriving
-    while others decode; LoopSpec == the reference token for token; nothing leaks."""
+def _captured_lane_graphs(worker) -> int:
+    graphs = worker.model_runner.drafter.graphs
+    return -1 if graphs is None else graphs.captured
+
+
+@pytest.mark.parametrize("name, graphs", LANE_GRAPHS, ids=[f"{n}-graphs-{g}" for n, g in LANE_GRAPHS])
+def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs):
+    """fp32, vLLM's default compilation and CUDA graphs; lane calls replayed from CUDA graphs
+    (``lane_graphs`` auto) or eager (off): 16 requests arriving while others decode; LoopSpec == the
+    reference token for token (so graphs on == off == vanilla, which equals the reference:
+    the parity tests above); nothing leaks."""
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs
@@ -180,18 +189,20 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name):
     family, options, overrides, spec = LOOPSPEC[name]
     path = ckpt_factory(family, options=options, **overrides)
     with worker_functions():  # collective_rpc(lane_census) below
-        llm = start_llm(path, speculative_config=spec, max_model_len=128, block_size=16)
+        llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs}, max_model_len=128, block_size=16)
         try:
             assert llm.llm_engine.vllm_config.compilation_config.mode.name == "VLLM_COMPILE"
             got = run_jobs(llm, greedy_jobs())
             census = llm.collective_rpc(lane_census)[0]
+            captured = llm.collective_rpc(_captured_lane_graphs)[0]
         finally:
             stop_llm(llm)
     ref = load_reference(path)
     for job in greedy_jobs():
         assert got[job.request_id] == ref.greedy_generate(job.prompt, job.params.max_tokens), job.request_id
-    totals = engine_totals()
+    totals = engine_totals()  # of the engine started last: this one
     assert totals.lane_steps > 0 and totals.standard_steps > 0
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
-    print(f"GPU LoopSpec {name}: 16 staggered requests identical to the reference; "
-          f"{totals.log_line(overrides.get('mean_recurrence', 4))}")
+    assert (captured > 0) if graphs == "auto" else (captured == -1), captured
+    print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured): 16 staggered requests identical "
+          f"to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")

@@ -47,7 +47,7 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
     assert spec.num_speculative_tokens == 4  # ceil(R / d1)
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
-                                                  "lanes": "auto"}
+                                                  "lanes": "auto", "lane_graphs": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -57,12 +57,12 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     cfg = _config(path, {"method": "loopspec", "d1": 2, "d2": 8, "gate": False},
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
-                                                  "lanes": "auto"}
+                                                  "lanes": "auto", "lane_graphs": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
 BAD = [
-    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, lanes"),
+    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, lanes, lane_graphs"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
     ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
@@ -74,6 +74,7 @@ BAD = [
     ({"method": "loopspec", "gate": "yes"}, "gate='yes' is invalid: gate must be true or false"),
     ({"method": "loopspec", "max_lanes": 0}, "max_lanes=0 is invalid: max_lanes must be >= 1"),
     ({"method": "loopspec", "lanes": "off"}, "lanes='off' is invalid; allowed values: 'auto', 'on'"),
+    ({"method": "loopspec", "lane_graphs": True}, "lane_graphs=True is invalid; allowed values: 'auto', 'on', 'off'"),
 ]
 
 

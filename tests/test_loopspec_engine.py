@@ -86,6 +86,11 @@ GREEDY_CASES = {
     "raven-R32-4:8-chunked": ("raven-olmo2-R32", {"method": "loopspec", "lanes": "on", "d1": 4, "d2": 8},
                               {"max_num_batched_tokens": 16}),
     "huginn-R32-2:8": ("huginn-R32", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}, {}),
+    # lane calls padded to the CUDA-graph shapes (on the CPU run eagerly; captured on the GPU: test_gpu.py)
+    "ouro-agree-1:2-padded": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
+                                             "lane_graphs": "on"}, {}),
+    "raven-R8-2:4-padded": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4,
+                                               "lane_graphs": "on"}, {}),
 }
 ENGINE = dict(block_size=16, max_model_len=128)
 

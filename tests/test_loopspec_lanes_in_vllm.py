@@ -115,6 +115,79 @@ def test_lane_attention_equals_attention_over_prefix_ancestors_and_self():
         assert torch.equal(scratch.kv[b, rows_slot[i], 0], k[i])  # the row's own K/V is kept
 
 
+class _ToyLanes:
+    """Lane functions of a one-layer toy model: q, k, v linear in the state, attention through the
+    installed lane attention (as ``BankedAttention`` calls it), row i at bank ``depths[i] % S``."""
+
+    def __init__(self, gen):
+        self.lane_state_width = W = H * D
+        self.wq, self.wk, self.wv = (torch.randn(W, 2 * H * D, generator=gen) * 0.1,
+                                     torch.randn(W, H * D, generator=gen) * 0.1, torch.randn(W, H * D, generator=gen) * 0.1)
+        self.emb, self.head = torch.randn(50, W, generator=gen), torch.randn(2 * H * D, 11, generator=gen)
+
+    def _attend(self, x, depths):
+        from vllm_loop.models import layers
+
+        n = x.shape[0]
+        q, k, v = (x @ self.wq).view(n, 2 * H, D), (x @ self.wk).view(n, H, D), (x @ self.wv).view(n, H, D)
+        return layers._lane_attention(depths % S, q, k, v, D**-0.5).reshape(n, -1)
+
+    def lane_pre(self, tokens, positions):
+        x = self.emb[tokens]
+        return x + self._attend(x, torch.zeros_like(tokens))[:, : x.shape[1]]
+
+    def lane_core(self, state, positions, depths):
+        return state + self._attend(state, depths)[:, : state.shape[1]]
+
+    def lane_logits(self, state, positions, depths):
+        return self._attend(state, depths) @ self.head
+
+
+@pytest.mark.parametrize("kind", ["pre", "core", "logits"])
+def test_padded_lane_calls_equal_exact_ones(kind):
+    """What a lane graph runs -- rows padded to a power of two, context to 64, ancestors to the lane
+    cap -- gives the real rows what the exact-shape call gives them, and padding rows touch only the
+    pad slot. (On the CPU ``LaneGraphs`` runs the padded call eagerly; the GPU test captures it.)"""
+    from vllm_loop.loopspec.lane_graphs import LaneBatch, LaneGraphs, lane_call
+
+    g = torch.Generator().manual_seed(1)
+    _, caches = _packed()
+    paged = PagedBanks(caches)
+    table = torch.tensor([[3, 1, 0, 0], [5, 0, 0, 0]]).numpy()
+    for r, n in {0: 20, 1: 5}.items():
+        pos = torch.arange(n)
+        for bank in range(S):
+            paged.write(torch.tensor(table[r])[pos // B], torch.full((n,), bank), pos % B,
+                        torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g))
+    scratch = LaneScratch(S, 8, H, D, H * D, torch.float32, "cpu")
+    scratch.kv.copy_(torch.randn(scratch.kv.shape, generator=g))
+    scratch.states.copy_(torch.randn(scratch.states.shape, generator=g))
+    model = _ToyLanes(g)
+    # (slot, position, depth, token, prefix) per row; ancestors; request of the row
+    lanes = [(1, 21, 2, 7, 20), (3, 5, 0, 9, 5), (5, 22, 1, 4, 20)]
+    ancestry, req = [[6, 2], [], [4]], [0, 1, 0]
+    exact = LaneBatch.pack(lanes, ancestry, table[req], rows=3, ancestors=2, context=20, pad_slot=scratch.pad_slot)
+    kv0, states0 = scratch.kv.clone(), scratch.states.clone()
+    want = lane_call(model, paged, scratch, kind, exact.columns(), 2, 20)
+    want_kv, want_states = scratch.kv.clone(), scratch.states.clone()
+    scratch.kv.copy_(kv0), scratch.states.copy_(states0)
+
+    graphs = LaneGraphs(model, paged, scratch, table_width=4, ancestors=7, max_rows=16, capture=False)
+    rows, ctx = graphs.shape(3, 20)
+    assert (rows, ctx) == (4, 64) and graphs.shape(3, 64) == (4, 64)
+    assert graphs.shape(3, 65) is None and graphs.shape(17, 20) is None  # past the table, past max_rows
+    got = graphs(kind, LaneBatch.pack(lanes, ancestry, table[req], rows=rows, ancestors=7, context=ctx,
+                                      pad_slot=scratch.pad_slot))
+    if kind == "logits":
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    real = [1, 3, 5]
+    torch.testing.assert_close(scratch.states[real], want_states[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scratch.kv[:, real], want_kv[:, real], atol=1e-5, rtol=1e-5)
+    others = [s for s in range(scratch.num_slots) if s not in real]  # lanes' slots untouched; pad slot aside
+    assert torch.equal(scratch.kv[:, others], kv0[:, others]) and torch.equal(scratch.states[others], states0[others])
+
+
 def test_lane_scratch_slots_come_back():
     scratch = LaneScratch(2, 3, 1, 4, 4, torch.float32, "cpu")
     taken = [scratch.take() for _ in range(3)]

@@ -14,8 +14,11 @@ Knobs: ``d1`` (first-proposal depth), ``d2`` (second-proposal depth; omitted: si
 mode), ``gate`` (the paper's gate on the second proposal, default true), ``max_lanes`` (cap on
 one request's live lanes; default: the schedule's bound, at most 64), ``lanes`` (``"auto"``, the
 default: each decode step runs lanes or plain decoding, whichever has measured faster at that batch
-size, see ``policy.py``; ``"on"``: always lanes). Both depths omitted: the family default (Ouro 1:2
-at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
+size, see ``policy.py``; ``"on"``: always lanes), ``lane_graphs`` (``"auto"``, the default: lane calls
+replay CUDA graphs wherever vLLM uses graphs -- a CUDA device, no ``enforce_eager``, one GPU per
+model; ``"on"``: always (without CUDA, the same padded calls run eagerly); ``"off"``: eager lane calls,
+see ``lane_graphs.py``). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
+2:8 at R=32, scaled to the deployed R).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 logger = get_logger(__name__)
 
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes")
+KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs")
+LANE_GRAPHS = ("auto", "on", "off")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -117,8 +121,12 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if lanes not in LANES_MODES:
         raise ValueError(f"speculative_config (loopspec): lanes={lanes!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANES_MODES))}")
+    graphs = config.get("lane_graphs", "auto")
+    if graphs not in LANE_GRAPHS:
+        raise ValueError(f"speculative_config (loopspec): lane_graphs={graphs!r} is invalid; allowed values: "
+                         f"{', '.join(map(repr, LANE_GRAPHS))}")
     knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
-             "lanes": lanes}
+             "lanes": lanes, "lane_graphs": graphs}
     spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")

@@ -104,13 +104,16 @@ class PagedBanks:
 
 
 class LaneScratch:
-    """Each live lane's own K/V at every bank: ``kv[bank, slot, 0|1, H, D]``, plus its hidden state."""
+    """Each live lane's own K/V at every bank: ``kv[bank, slot, 0|1, H, D]``, plus its hidden state.
+
+    One more slot than lanes, ``pad_slot``, is never handed out: padding rows of a fixed-shape call
+    (``lane_graphs.py``) read and write it, so they touch no lane's data."""
 
     def __init__(self, num_banks: int, num_slots: int, num_heads: int, head_dim: int, state_width: int,
                  dtype, device):
-        self.kv = torch.zeros(num_banks, num_slots, 2, num_heads, head_dim, dtype=dtype, device=device)
-        self.states = torch.zeros(num_slots, state_width, dtype=dtype, device=device)
-        self.num_slots = num_slots
+        self.kv = torch.zeros(num_banks, num_slots + 1, 2, num_heads, head_dim, dtype=dtype, device=device)
+        self.states = torch.zeros(num_slots + 1, state_width, dtype=dtype, device=device)
+        self.num_slots, self.pad_slot = num_slots, num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -132,6 +135,8 @@ class LaneRows:
     prefix: torch.Tensor  # [n] committed positions of its request (0..prefix-1 are paged)
     block_rows: torch.Tensor  # [n, max_blocks] its request's block table (kernel blocks)
     ancestors: torch.Tensor  # [n, A] scratch slots of its uncommitted ancestors, oldest first, -1 padded
+    context: int | None = None  # committed positions every row reads (>= max prefix; None: max prefix).
+    # Given by the caller, it costs no device-to-host read, and a padded one keeps shapes fixed.
 
 
 class LaneAttention:
@@ -140,7 +145,7 @@ class LaneAttention:
     def __init__(self, paged: PagedBanks, scratch: LaneScratch, rows: LaneRows):
         self.paged, self.scratch, self.rows = paged, scratch, rows
         B = paged.block_size
-        M = int(rows.prefix.max()) if rows.prefix.numel() else 0
+        M = rows.context if rows.context is not None else int(rows.prefix.max()) if rows.prefix.numel() else 0
         j = torch.arange(M, device=rows.prefix.device)
         n = rows.prefix.shape[0]
         self.blocks = rows.block_rows.gather(1, (j // B).unsqueeze(0).expand(n, M).contiguous())

@@ -32,14 +32,15 @@ import torch
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs
-from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
+from vllm_loop.loopspec.lane_graphs import LaneBatch, LaneGraphs, lane_call
+from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
 from vllm_loop.loopspec.pipeline import Commit, RequestPipeline, readout_values
 from vllm_loop.loopspec.proposals import SamplingParams
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.loopspec.verify import CommitSource
-from vllm_loop.models.layers import bank_prefix, lane_attention
+from vllm_loop.models.layers import bank_prefix
 
 logger = get_logger(__name__)
 
@@ -103,9 +104,16 @@ class LoopSpecRunner:
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
+        self.graph_mode = k.get("lane_graphs", "auto")
+        self.enforce_eager = vllm_config.model_config.enforce_eager
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        if self.graph_mode == "on" and self.tp > 1:
+            raise ValueError("speculative_config (loopspec): lane_graphs='on' needs tensor_parallel_size 1 "
+                             f"(got {self.tp}); allowed with tensor parallelism: 'auto', 'off'")
         self.model = None
         self.paged: PagedBanks | None = None
         self.scratch: LaneScratch | None = None
+        self.graphs: LaneGraphs | None = None
         self.live: dict[str, _Live] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.totals = EngineCounters()
@@ -302,8 +310,18 @@ class LoopSpecRunner:
         self.scratch = LaneScratch(self.paged.num_banks, slots, self.paged.num_heads, self.paged.head_dim,
                                    self.model.lane_state_width, dtype, runner.kv_caches[0].device)
         mib = (self.scratch.kv.numel() + self.scratch.states.numel()) * self.scratch.kv.element_size() / 2**20
+        cuda = self.scratch.kv.device.type == "cuda"
+        # auto: graphs wherever vLLM itself would use them (a CUDA device, not enforce_eager); not under
+        # tensor parallelism, whose all-reduces would need vLLM's own capture context.
+        graphs = self.graph_mode == "on" or (self.graph_mode == "auto" and cuda and not self.enforce_eager
+                                             and self.tp == 1)
+        if graphs:
+            self.graphs = LaneGraphs(self.model, self.paged, self.scratch,
+                                     table_width=runner.input_batch.block_table[0].block_table.np.shape[1],
+                                     ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=cuda)
         logger.info("LoopSpec lanes: %d slots (%d requests x %d lanes + 1), %.1f MiB of lane KV and states, "
-                    "KV layout %s", slots, self.max_num_seqs, self.max_lanes, mib, self.paged.layout)
+                    "KV layout %s, lane calls %s", slots, self.max_num_seqs, self.max_lanes, mib, self.paged.layout,
+                    "eager" if self.graphs is None else "as CUDA graphs" if cuda else "padded to graph shapes (no CUDA)")
 
     def _assign_slots(self, lanes: list[Lane]) -> None:
         for lane in lanes:
@@ -319,39 +337,33 @@ class LoopSpecRunner:
             rows.append(_Row(self.live[req_id], index, cap, runner.requests[req_id]))
         return rows
 
-    def _lane_rows(self, runner, items: list[tuple[_Row, Lane]]) -> LaneRows:
-        device = self.scratch.kv.device
-        ancestors = [[a.slot for a in row.live.pipe.tree.ancestors(lane)] for row, lane in items]
-        width = max((len(a) for a in ancestors), default=0)
+    def _lane_call(self, runner, kind: str, items: list[tuple[_Row, Lane]]) -> torch.Tensor | None:
+        """Run lane call ``kind`` (``lane_graphs.KINDS``) on ``items``: replayed from a CUDA graph when
+        its shape has a bucket, else eagerly. Each row's committed prefix is its request's root position."""
+        n = len(items)
+        context = max(row.live.pipe.root.position for row, _ in items)
+        ancestry = [[a.slot for a in row.live.pipe.tree.ancestors(lane)] for row, lane in items]
+        shape = self.graphs.shape(n, context) if self.graphs is not None else None
+        rows, ctx = shape if shape is not None else (n, context)
+        width = self.graphs.ancestors if shape is not None else max(map(len, ancestry), default=0)
         table = runner.input_batch.block_table[0].block_table.np
-        return LaneRows(
-            slots=torch.tensor([lane.slot for _, lane in items], device=device),
-            prefix=torch.tensor([row.live.pipe.root.position for row, _ in items], device=device),
-            block_rows=torch.from_numpy(table[[row.index for row, _ in items]]).to(device=device, dtype=torch.long),
-            ancestors=torch.tensor([a + [-1] * (width - len(a)) for a in ancestors], dtype=torch.long,
-                                   device=device).reshape(len(items), width),
-        )
-
-    def _call(self, runner, items, fn, *tensors):
-        with lane_attention(LaneAttention(self.paged, self.scratch, self._lane_rows(runner, items))):
-            return fn(*tensors)
+        batch = LaneBatch.pack([(lane.slot, lane.position, lane.depth, lane.token, row.live.pipe.root.position)
+                                for row, lane in items], ancestry, table[[row.index for row, _ in items]],
+                               rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
+        if shape is not None:
+            return self.graphs(kind, batch)
+        packed = batch.columns().to(self.scratch.kv.device)
+        return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx)
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
-        device = self.scratch.kv.device
-        tokens = torch.tensor([lane.token for _, lane in items], device=device)
-        positions = torch.tensor([lane.position for _, lane in items], device=device)
-        slots = torch.tensor([lane.slot for _, lane in items], device=device)
-        self.scratch.states[slots] = self._call(runner, items, self.model.lane_pre, tokens, positions)
+        self._lane_call(runner, "pre", items)
 
     def _recurrent_step(self, runner, rows: list[_Row]) -> None:
-        sch, device, scratch = self.schedule, self.scratch.kv.device, self.scratch
+        sch = self.schedule
         items = [(row, lane) for row in rows for lane in row.live.pipe.lanes]
-        slots = torch.tensor([lane.slot for _, lane in items], device=device)
-        positions = torch.tensor([lane.position for _, lane in items], device=device)
-        depths = torch.tensor([lane.depth for _, lane in items], device=device)
         # 1. one core step for every lane of every request, each at its own depth
-        scratch.states[slots] = self._call(runner, items, self.model.lane_core, scratch.states[slots], positions, depths)
+        self._lane_call(runner, "core", items)
         for _, lane in items:
             lane.depth += 1
         self._step.recurrent_steps += 1
@@ -361,15 +373,18 @@ class LoopSpecRunner:
         read: dict[int, dict[int, object]] = {id(row): {} for row in rows}
         readers = [(row, lane) for row, lane in items if lane.depth in sch.readout_depths]
         if readers:
-            r_slots = torch.tensor([lane.slot for _, lane in readers], device=device)
-            logits = self._call(runner, readers, self.model.lane_logits, scratch.states[r_slots],
-                                torch.tensor([lane.position for _, lane in readers], device=device),
-                                torch.tensor([lane.depth for _, lane in readers], device=device)).float().cpu()
+            logits = self._lane_call(runner, "logits", readers).float()
             by_params: dict[SamplingParams, list[int]] = {}
             for i, (row, _) in enumerate(readers):
                 by_params.setdefault(row.live.pipe.params, []).append(i)
+            argmax = None  # greedy rows: only the argmax crosses to the host
             for params, idx in by_params.items():
-                for i, value in zip(idx, readout_values(logits[idx], params)):
+                if params.greedy:
+                    argmax = logits.argmax(-1).tolist() if argmax is None else argmax
+                    values = [argmax[i] for i in idx]
+                else:
+                    values = readout_values(logits[idx].cpu(), params)
+                for i, value in zip(idx, values):
                     row, lane = readers[i]
                     read[id(row)][lane.id] = value
         # 3. each request's decisions

@@ -1,0 +1,169 @@
+"""Lane calls -- the model functions a lane step runs on a batch of lanes -- eagerly or as CUDA graphs.
+
+Three calls, each on rows that sit at their own depths and read their own KV banks (``lane_kv.py``):
+
+* ``pre``    -- depth-0 states of new lanes: ``tokens -> states[slot]``;
+* ``core``   -- one recurrent step: ``states[slot] -> states[slot]``;
+* ``logits`` -- readouts: ``states[slot] -> logits``.
+
+Why graphs: a recurrent step of lanes is a handful of rows through the shared block. Launched eagerly it
+costs far more host time than GPU time (an Ouro-1.4B lane step on the H200: ~3 ms of kernels behind
+~70 ms of launches under the profiler, benchmarks/RESULTS.md), and vLLM's own graphs cover only its
+forward. So ``LaneGraphs`` captures every call once per shape bucket and replays it.
+
+Fixed shapes: rows are padded to a power of two, the committed context to a power of two (at least
+``MIN_CONTEXT``, at most what the block table reaches), ancestors to the request's lane cap. A padding
+row reads and writes the scratch's pad slot, has no committed context and no ancestors: it attends to
+itself only and touches no lane. A call's inputs travel host -> device as one int64 array
+(``LaneBatch``, column-major), its outputs stay in the graphs' memory pool (one for all: they replay one at a time
+on one stream) until the next replay.
+
+Without CUDA (CPU, CI) ``LaneGraphs`` runs the same padded calls eagerly, so the padding and the
+buffers are tested everywhere and only the capture needs a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
+from vllm_loop.models.layers import lane_attention
+
+KINDS = ("pre", "core", "logits")
+SLOT, POSITION, DEPTH, TOKEN, PREFIX, FIXED = range(6)  # LaneBatch columns; then ancestors, then blocks
+
+
+@dataclass
+class LaneBatch:
+    """One lane call's rows packed host-side: columns slot, position, depth, token, prefix, then
+    ``ancestors`` ancestor slots (-1 padded, oldest first), then the request's block-table row."""
+
+    host: np.ndarray  # [rows, FIXED + ancestors + table width] int64
+    ancestors: int
+    context: int  # committed positions every row reads (>= every row's prefix)
+    n: int  # real rows; rows n.. are padding
+
+    @staticmethod
+    def empty(rows: int, ancestors: int, table_width: int, pad_slot: int) -> np.ndarray:
+        host = np.zeros((rows, FIXED + ancestors + table_width), dtype=np.int64)
+        host[:, SLOT] = pad_slot
+        host[:, FIXED:FIXED + ancestors] = -1
+        return host
+
+    @classmethod
+    def pack(cls, lanes: list[tuple[int, int, int, int, int]], ancestry: list[list[int]], table_rows: np.ndarray,
+             *, rows: int, ancestors: int, context: int, pad_slot: int) -> LaneBatch:
+        """``lanes[i]``: (slot, position, depth, token, prefix) of real row i; ``ancestry[i]`` its
+        ancestors' slots; ``table_rows[i]`` its request's block-table row. Rows ``len(lanes)..rows``
+        are padding."""
+        n = len(lanes)
+        host = cls.empty(rows, ancestors, table_rows.shape[1], pad_slot)
+        host[:n, :FIXED] = lanes
+        for i, slots in enumerate(ancestry):
+            host[i, FIXED:FIXED + len(slots)] = slots
+        host[:n, FIXED + ancestors:] = table_rows
+        return cls(host, ancestors, context, n)
+
+
+    def columns(self) -> torch.Tensor:
+        """The batch column-major (``[columns, rows]``), as it goes to the device: every per-row
+        field is then a contiguous vector (vLLM's kernels, rotary embedding for one, want that)."""
+        return torch.from_numpy(np.ascontiguousarray(self.host.T))
+
+
+def device_rows(packed: torch.Tensor, ancestors: int, context: int):
+    """Views of a column-major packed batch on the device: ``(LaneRows, positions, depths, tokens)``."""
+    rows = LaneRows(slots=packed[SLOT], prefix=packed[PREFIX], block_rows=packed[FIXED + ancestors:].T,
+                    ancestors=packed[FIXED:FIXED + ancestors].T, context=context)
+    return rows, packed[POSITION], packed[DEPTH], packed[TOKEN]
+
+
+def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
+              context: int) -> torch.Tensor | None:
+    """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
+    returns the logits of every row (padding rows included)."""
+    rows, positions, depths, tokens = device_rows(packed, ancestors, context)
+    with lane_attention(LaneAttention(paged, scratch, rows)):
+        if kind == "pre":
+            scratch.states[rows.slots] = model.lane_pre(tokens, positions)
+        elif kind == "core":
+            scratch.states[rows.slots] = model.lane_core(scratch.states[rows.slots], positions, depths)
+        elif kind == "logits":
+            return model.lane_logits(scratch.states[rows.slots], positions, depths)
+        else:
+            raise ValueError(f"lane call kind {kind!r}; allowed: {', '.join(KINDS)}")
+    return None
+
+
+class LaneGraphs:
+    """Every lane call captured once per (kind, rows, context) bucket, replayed with one input buffer."""
+
+    MIN_CONTEXT = 64
+    MAX_CELLS = 1 << 16  # rows x context above this run eagerly: the torch lane attention gathers
+    #                      K/V per row, so a graph's memory grows with both (a lane kernel will not)
+
+    def __init__(self, model, paged: PagedBanks, scratch: LaneScratch, *, table_width: int, ancestors: int,
+                 max_rows: int, capture: bool):
+        self.model, self.paged, self.scratch = model, paged, scratch
+        self.ancestors, self.table_width, self.capture = ancestors, table_width, capture
+        self.max_rows = 1 << (max(1, max_rows) - 1).bit_length()
+        self.max_context = table_width * paged.block_size
+        self.packed = torch.zeros(FIXED + ancestors + table_width, self.max_rows, dtype=torch.long,
+                                  device=scratch.kv.device)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+
+    @property
+    def captured(self) -> int:
+        return sum(graph is not None for graph, _ in self._graphs.values())
+
+    def shape(self, n: int, context: int) -> tuple[int, int] | None:
+        """(padded rows, padded context) of a call, or None when it is outside the buckets."""
+        rows = 1 << (max(1, n) - 1).bit_length()
+        ctx = min(max(self.MIN_CONTEXT, 1 << (max(1, context) - 1).bit_length()), self.max_context)
+        if rows > self.max_rows or context > ctx or rows * ctx > self.MAX_CELLS:
+            return None
+        return rows, ctx
+
+    def __call__(self, kind: str, batch: LaneBatch) -> torch.Tensor | None:
+        """Run ``kind`` on ``batch`` (built with ``self.shape``'s rows and context, ``self.ancestors``).
+        Returns the logits of the real rows (``logits``), else None."""
+        rows = batch.host.shape[0]
+        self.packed[:, :rows].copy_(batch.columns())
+        key = (kind, rows, batch.context)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(kind, rows, batch.context)
+        graph, out = self._graphs[key]
+        if graph is None:  # no CUDA: the same padded call, eagerly
+            out = lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
+                            batch.context)
+        else:
+            graph.replay()
+        return None if out is None else out[: batch.n]
+
+    def _capture(self, kind: str, rows: int, context: int):
+        if not self.capture:
+            return None, None
+        # Capture on padding rows only: the warm-up and the capture then run on the pad slot and
+        # change no lane's state (the real rows are filled again before the replay).
+        saved = self.packed[:, :rows].clone()
+        pad = LaneBatch.empty(rows, self.ancestors, self.table_width, self.scratch.pad_slot)
+        self.packed[:, :rows].copy_(LaneBatch(pad, self.ancestors, context, 0).columns())
+
+        def body():
+            return lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
+                             context)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graphs asks
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = body()
+        self.packed[:, :rows].copy_(saved)
+        return graph, out
