@@ -8,10 +8,12 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on
   (lane calls replayed from CUDA graphs on a GPU: ``lane_graphs`` "auto");
 * ``loopspec-nographs`` -- the same with eager lane calls (``"lane_graphs": "off"``);
+* ``loopspec-triton`` -- lanes on, lane graphs, the Triton lane attention (``"lane_attention": "triton"``);
 * ``loopspec-auto`` -- the same with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
 * ``loopspec-fused`` -- lanes on, with vLLM's fused custom ops (``compilation_config.custom_ops =
   ["all"]``): under torch.compile vLLM builds RMSNorm, SiLU-and-mul and rotary as native PyTorch
   for Inductor to fuse, and the lanes, which call the layers eagerly, then run them unfused;
+* ``loopspec-triton-fused`` -- both;
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy, ``ignore_eos``; the decode rate is
@@ -92,7 +94,9 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"] = spec
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
-    if system == "loopspec-fused":
+    if system in ("loopspec-triton", "loopspec-triton-fused"):
+        kw["speculative_config"]["lane_attention"] = "triton"
+    if system in ("loopspec-fused", "loopspec-triton-fused"):
         kw["compilation_config"] = {"custom_ops": ["all"]}
     t0 = time.time()
     llm = LLM(args.checkpoint, **kw)
@@ -160,7 +164,7 @@ def profile(args) -> None:
     from vllm_loop.loopspec.stat_logger import engine_totals
 
     gpu = torch.cuda.is_available()
-    llm, kw, cfg, R, _ = _start(args, "loopspec", max_num_seqs=4)
+    llm, kw, cfg, R, _ = _start(args, args.profile_system, max_num_seqs=4)
     sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
     prompt = _prompts(1, cfg["vocab_size"])
     llm.generate(prompt, sp, use_tqdm=False)  # warm-up (and lane graph capture)
@@ -186,7 +190,9 @@ def profile(args) -> None:
     sort = "cuda_time_total" if gpu else "cpu_time_total"
     graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
         not kw["enforce_eager"] else "eager"
-    head = (f"{args.shape}, one request, 64 tokens, lanes on, lane calls {graphs}, {'GPU' if gpu else 'CPU'}, "
+    attention = kw["speculative_config"].get("lane_attention", "torch")
+    head = (f"{args.shape}, one request, 64 tokens, {args.profile_system}: lanes on, lane calls {graphs}, lane "
+            f"attention {attention}, {'GPU' if gpu else 'CPU'}, "
             f"{'enforce_eager' if kw['enforce_eager'] else 'compiled'} engine:\n"
             f"  unprofiled: {plain * 1000:.1f} ms, {d_plain.recurrent_steps} recurrent steps, "
             f"{plain * 1000 / max(d_plain.recurrent_steps, 1):.2f} ms per recurrent step (whole engine time / steps)\n"
@@ -226,8 +232,10 @@ def main() -> int:
     ap.add_argument("--agreement", default="0.005", help="factory agreement option (0: random weights)")
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
     ap.add_argument("--systems", default="vanilla,loopspec",
-                    help="comma-separated: vanilla, loopspec, loopspec-auto, loopspec-nographs, loopspec-fused, in-tree")
+                    help="comma-separated: vanilla, loopspec, loopspec-auto, loopspec-nographs, loopspec-triton, "
+                    "loopspec-fused, loopspec-triton-fused, in-tree")
     ap.add_argument("--profile", action="store_true", help="also profile lane steps (torch.profiler)")
+    ap.add_argument("--profile-system", default="loopspec", help="the LoopSpec system --profile runs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="heldout: held-out corpus lines (for trained checkpoints)")
@@ -297,7 +305,8 @@ def main() -> int:
     plot(table, args, Path(args.out).with_suffix(".png"))
     if args.profile:
         cmd = [sys.executable, __file__, "--worker", "profile", "--shape", args.shape, "--spec", args.spec,
-               "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager]
+               "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager,
+               "--profile-system", args.profile_system]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)

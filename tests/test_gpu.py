@@ -167,8 +167,9 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
 }
-LANE_GRAPHS = [("ouro-1:2", "auto"), ("ouro-agree-1:2", "auto"), ("ouro-agree-1:2", "off"),
-               ("raven-olmo2-R32-2:8", "auto"), ("raven-olmo2-R32-2:8", "off")]
+LANE_GRAPHS = [("ouro-1:2", "auto", "torch"), ("ouro-agree-1:2", "auto", "torch"), ("ouro-agree-1:2", "off", "torch"),
+               ("raven-olmo2-R32-2:8", "auto", "torch"), ("raven-olmo2-R32-2:8", "off", "torch"),
+               ("ouro-agree-1:2", "auto", "triton"), ("raven-olmo2-R32-2:8", "auto", "triton")]
 
 
 def _captured_lane_graphs(worker) -> int:
@@ -176,10 +177,12 @@ def _captured_lane_graphs(worker) -> int:
     return -1 if graphs is None else graphs.captured
 
 
-@pytest.mark.parametrize("name, graphs", LANE_GRAPHS, ids=[f"{n}-graphs-{g}" for n, g in LANE_GRAPHS])
-def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs):
+@pytest.mark.parametrize("name, graphs, attention", LANE_GRAPHS,
+                         ids=[f"{n}-graphs-{g}-{a}" for n, g, a in LANE_GRAPHS])
+def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention):
     """fp32, vLLM's default compilation and CUDA graphs; lane calls replayed from CUDA graphs
-    (``lane_graphs`` auto) or eager (off): 16 requests arriving while others decode; LoopSpec == the
+    (``lane_graphs`` auto) or eager (off), lane attention in PyTorch or the Triton kernel: 16
+    requests arriving while others decode; LoopSpec == the
     reference token for token (so graphs on == off == vanilla, which equals the reference:
     the parity tests above); nothing leaks."""
     from vllm_loop.loopspec.stat_logger import engine_totals
@@ -189,7 +192,8 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs):
     family, options, overrides, spec = LOOPSPEC[name]
     path = ckpt_factory(family, options=options, **overrides)
     with worker_functions():  # collective_rpc(lane_census) below
-        llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs}, max_model_len=128, block_size=16)
+        llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs, "lane_attention": attention},
+                        max_model_len=128, block_size=16)
         try:
             assert llm.llm_engine.vllm_config.compilation_config.mode.name == "VLLM_COMPILE"
             got = run_jobs(llm, greedy_jobs())
@@ -204,5 +208,17 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs):
     assert totals.lane_steps > 0 and totals.standard_steps > 0
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
     assert (captured > 0) if graphs == "auto" else (captured == -1), captured
-    print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured): 16 staggered requests identical "
+    print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured), lane attention {attention}: "
+          f"16 staggered requests identical "
           f"to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, D", [((16, 16), 128), ((8, 2), 64), ((4, 4), 96)], ids=["ouro", "gqa", "huginn-d96"])
+def test_triton_lane_attention_on_gpu(dtype, heads, D):
+    """The compiled kernel against the PyTorch lane attention (the CPU test runs it interpreted)."""
+    from test_lane_kernels import compare
+    from vllm_loop_kernels.lane_attention import lane_attention
+
+    compare(lane_attention, "split-last", "cuda", dtype=dtype, heads=heads, D=D,
+            tol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -47,7 +47,8 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
     assert spec.num_speculative_tokens == 4  # ceil(R / d1)
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
-                                                  "lanes": "auto", "lane_graphs": "auto"}
+                                                  "lanes": "auto", "lane_graphs": "auto",
+                                                  "lane_attention": "torch"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -57,12 +58,13 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     cfg = _config(path, {"method": "loopspec", "d1": 2, "d2": 8, "gate": False},
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
-                                                  "lanes": "auto", "lane_graphs": "auto"}
+                                                  "lanes": "auto", "lane_graphs": "auto",
+                                                  "lane_attention": "torch"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
 BAD = [
-    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, lanes, lane_graphs"),
+    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, lanes, lane_graphs, lane_attention"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
     ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
@@ -75,6 +77,8 @@ BAD = [
     ({"method": "loopspec", "max_lanes": 0}, "max_lanes=0 is invalid: max_lanes must be >= 1"),
     ({"method": "loopspec", "lanes": "off"}, "lanes='off' is invalid; allowed values: 'auto', 'on'"),
     ({"method": "loopspec", "lane_graphs": True}, "lane_graphs=True is invalid; allowed values: 'auto', 'on', 'off'"),
+    ({"method": "loopspec", "lane_attention": "flash"},
+     "lane_attention='flash' is invalid; allowed values: 'torch', 'triton'"),
 ]
 
 
@@ -82,6 +86,16 @@ BAD = [
 def test_bad_config_names_the_key_and_the_rule(ckpt_factory, spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _config(ckpt_factory("ouro"), spec)
+
+
+def test_triton_lane_attention_needs_cuda_at_start_up(ckpt_factory, monkeypatch):
+    """Checked when the runner is built (engine start-up), not at the first lane step."""
+    from vllm_loop.loopspec.runner import LoopSpecRunner
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = _config(ckpt_factory("ouro"), {"method": "loopspec", "lane_attention": "triton"})
+    with pytest.raises(ValueError, match="lane_attention='triton' needs a CUDA device .*allowed on this device: 'torch'"):
+        LoopSpecRunner(cfg)
 
 
 def test_loopspec_needs_a_looped_model(ckpt_factory):

@@ -17,7 +17,8 @@ default: each decode step runs lanes or plain decoding, whichever has measured f
 size, see ``policy.py``; ``"on"``: always lanes), ``lane_graphs`` (``"auto"``, the default: lane calls
 replay CUDA graphs wherever vLLM uses graphs -- a CUDA device, no ``enforce_eager``, one GPU per
 model; ``"on"``: always (without CUDA, the same padded calls run eagerly); ``"off"``: eager lane calls,
-see ``lane_graphs.py``). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
+see ``lane_graphs.py``), ``lane_attention`` (``"torch"``, the default: the PyTorch lane attention;
+``"triton"``: the kernel in ``kernels/vllm_loop_kernels/lane_attention.py``, CUDA only). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
 2:8 at R=32, scaled to the deployed R).
 """
 
@@ -32,8 +33,9 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 logger = get_logger(__name__)
 
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs")
+KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention")
 LANE_GRAPHS = ("auto", "on", "off")
+LANE_ATTENTION = ("torch", "triton")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -125,8 +127,12 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if graphs not in LANE_GRAPHS:
         raise ValueError(f"speculative_config (loopspec): lane_graphs={graphs!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANE_GRAPHS))}")
+    attention = config.get("lane_attention", "torch")
+    if attention not in LANE_ATTENTION:
+        raise ValueError(f"speculative_config (loopspec): lane_attention={attention!r} is invalid; allowed values: "
+                         f"{', '.join(map(repr, LANE_ATTENTION))}")
     knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
-             "lanes": lanes, "lane_graphs": graphs}
+             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention}
     spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")

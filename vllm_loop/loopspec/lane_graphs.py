@@ -82,11 +82,12 @@ def device_rows(packed: torch.Tensor, ancestors: int, context: int):
 
 
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
-              context: int) -> torch.Tensor | None:
+              context: int, kernel=None) -> torch.Tensor | None:
     """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
-    returns the logits of every row (padding rows included)."""
+    returns the logits of every row (padding rows included). ``kernel``: the lane attention kernel
+    (None: the PyTorch lane attention)."""
     rows, positions, depths, tokens = device_rows(packed, ancestors, context)
-    with lane_attention(LaneAttention(paged, scratch, rows)):
+    with lane_attention(LaneAttention(paged, scratch, rows, kernel)):
         if kind == "pre":
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
         elif kind == "core":
@@ -106,8 +107,8 @@ class LaneGraphs:
     #                      K/V per row, so a graph's memory grows with both (a lane kernel will not)
 
     def __init__(self, model, paged: PagedBanks, scratch: LaneScratch, *, table_width: int, ancestors: int,
-                 max_rows: int, capture: bool):
-        self.model, self.paged, self.scratch = model, paged, scratch
+                 max_rows: int, capture: bool, kernel=None):
+        self.model, self.paged, self.scratch, self.kernel = model, paged, scratch, kernel
         self.ancestors, self.table_width, self.capture = ancestors, table_width, capture
         self.max_rows = 1 << (max(1, max_rows) - 1).bit_length()
         self.max_context = table_width * paged.block_size
@@ -139,7 +140,7 @@ class LaneGraphs:
         graph, out = self._graphs[key]
         if graph is None:  # no CUDA: the same padded call, eagerly
             out = lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
-                            batch.context)
+                            batch.context, self.kernel)
         else:
             graph.replay()
         return None if out is None else out[: batch.n]
@@ -155,7 +156,7 @@ class LaneGraphs:
 
         def body():
             return lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
-                             context)
+                             context, self.kernel)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

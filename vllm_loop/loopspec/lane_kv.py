@@ -140,10 +140,15 @@ class LaneRows:
 
 
 class LaneAttention:
-    """Attention of a batch of lanes, each row at its own bank: installed for one lane call."""
+    """Attention of a batch of lanes, each row at its own bank: installed for one lane call.
 
-    def __init__(self, paged: PagedBanks, scratch: LaneScratch, rows: LaneRows):
-        self.paged, self.scratch, self.rows = paged, scratch, rows
+    ``kernel``: the Triton kernel (``kernels/vllm_loop_kernels/lane_attention.py``), which reads the
+    paged prefix and the lane window in place; None: the PyTorch path below."""
+
+    def __init__(self, paged: PagedBanks, scratch: LaneScratch, rows: LaneRows, kernel=None):
+        self.paged, self.scratch, self.rows, self.kernel = paged, scratch, rows, kernel
+        if kernel is not None:
+            return
         B = paged.block_size
         M = rows.context if rows.context is not None else int(rows.prefix.max()) if rows.prefix.numel() else 0
         j = torch.arange(M, device=rows.prefix.device)
@@ -159,6 +164,10 @@ class LaneAttention:
         kv = self.scratch.kv
         kv[banks, self.rows.slots, 0] = k.to(kv.dtype)
         kv[banks, self.rows.slots, 1] = v.to(kv.dtype)
+        if self.kernel is not None:
+            r = self.rows
+            return self.kernel(q.contiguous(), self.paged.k, self.paged.v, self.paged.page_of, banks, r.prefix,
+                               r.slots, r.block_rows, r.ancestors, kv, scale)
         kp, vp = self.paged.gather(self.blocks, banks, self.offsets)
         b = banks.unsqueeze(1).expand_as(self.window)
         K = torch.cat([kp.to(kv.dtype), kv[b, self.window, 0]], dim=1)  # [n, M + A + 1, H, D]

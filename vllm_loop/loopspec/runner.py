@@ -45,6 +45,19 @@ from vllm_loop.models.layers import bank_prefix
 logger = get_logger(__name__)
 
 
+def triton_lane_attention(cuda: bool):
+    """The Triton lane attention kernel (``lane_attention: "triton"``): on CUDA, or on the CPU under
+    Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    import os
+
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("speculative_config (loopspec): lane_attention='triton' needs a CUDA device "
+                         "(or TRITON_INTERPRET=1); allowed on this device: 'torch'")
+    from vllm_loop_kernels.lane_attention import lane_attention
+
+    return lane_attention
+
+
 def _lanes_on(so) -> bool:
     """The lanes policy's decision for this step (set by ``LoopSpecScheduler.schedule``)."""
     return getattr(so, "loopspec_lanes", True)
@@ -105,6 +118,10 @@ class LoopSpecRunner:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
         self.graph_mode = k.get("lane_graphs", "auto")
+        self.attention_mode = k.get("lane_attention", "torch")
+        cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
+        # the Triton lane attention (lane_attention "triton"); checked here, at start-up
+        self.kernel = triton_lane_attention(cuda) if self.attention_mode == "triton" else None
         self.enforce_eager = vllm_config.model_config.enforce_eager
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         if self.graph_mode == "on" and self.tp > 1:
@@ -318,10 +335,13 @@ class LoopSpecRunner:
         if graphs:
             self.graphs = LaneGraphs(self.model, self.paged, self.scratch,
                                      table_width=runner.input_batch.block_table[0].block_table.np.shape[1],
-                                     ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=cuda)
+                                     ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=cuda,
+                                     kernel=self.kernel)
         logger.info("LoopSpec lanes: %d slots (%d requests x %d lanes + 1), %.1f MiB of lane KV and states, "
-                    "KV layout %s, lane calls %s", slots, self.max_num_seqs, self.max_lanes, mib, self.paged.layout,
-                    "eager" if self.graphs is None else "as CUDA graphs" if cuda else "padded to graph shapes (no CUDA)")
+                    "KV layout %s, lane calls %s, lane attention %s", slots, self.max_num_seqs, self.max_lanes, mib,
+                    self.paged.layout,
+                    "eager" if self.graphs is None else "as CUDA graphs" if cuda else "padded to graph shapes (no CUDA)",
+                    self.attention_mode)
 
     def _assign_slots(self, lanes: list[Lane]) -> None:
         for lane in lanes:
@@ -353,7 +373,7 @@ class LoopSpecRunner:
         if shape is not None:
             return self.graphs(kind, batch)
         packed = batch.columns().to(self.scratch.kv.device)
-        return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx)
+        return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel)
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
