@@ -222,3 +222,38 @@ def test_triton_lane_attention_on_gpu(dtype, heads, D):
 
     compare(lane_attention, "split-last", "cuda", dtype=dtype, heads=heads, D=D,
             tol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):
+    """In a LoopSpec engine, decode steps of 1 token per request (requests the lanes do not serve,
+    here: logprobs; the lanes policy's plain steps) have full CUDA graphs
+    (``vllm_patches.install_loopspec_decode_graphs``), and their tokens equal the reference (fp32)."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.config import CUDAGraphMode
+
+    from vllm_loop.reference import load_reference
+
+    path = ckpt_factory("ouro")
+
+    def full_decode_keys(worker):
+        runner = worker.model_runner
+        keys = runner.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
+        return runner.uniform_decode_query_len, sorted(k.num_tokens for k in keys if k.uniform)
+
+    with worker_functions():
+        llm = start_llm(path, speculative_config={"method": "loopspec", "lanes": "on"}, max_model_len=128,
+                        block_size=16)
+        try:
+            query_len, sizes = llm.collective_rpc(full_decode_keys)[0]
+            tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
+            prompts = [tok(p).input_ids for p in PROMPTS[:4]]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1))
+        finally:
+            stop_llm(llm)
+    assert query_len == 1 and 1 in sizes and 2 in sizes, (query_len, sizes)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == ref.greedy_generate(prompt, 24)
+    print(f"GPU LoopSpec engine: 1-token decode has full graphs for {sizes[:8]}... tokens; 4 logprobs requests "
+          f"identical to the reference")

@@ -129,6 +129,8 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         hits = _metric(llm, "vllm:prefix_cache_hits")
         assert free_kv_blocks(llm) == free_before
         census = llm.collective_rpc(lane_census)[0]
+        # vllm_patches.install_loopspec_decode_graphs: 1-token decode steps count as uniform
+        assert llm.collective_rpc(lambda w: w.model_runner.uniform_decode_query_len)[0] == 1
     finally:
         stop_llm(llm)
     ref = load_reference(path)

@@ -297,6 +297,7 @@ def install_loopspec() -> None:
     install_loopspec_front_door()
     install_loopspec_packed_kv()
     install_loopspec_runner()
+    install_loopspec_decode_graphs()
 
 
 def install_loopspec_front_door() -> None:
@@ -401,3 +402,29 @@ def install_loopspec_runner() -> None:
         hook._vllm_loop = True
     GPUModelRunner.execute_model = execute_model_hook
     GPUModelRunner.sample_tokens = sample_tokens_hook
+
+
+def install_loopspec_decode_graphs() -> None:
+    """vLLM captures its full CUDA graphs for decode steps of exactly 1 + num_speculative_tokens
+    tokens per request (``uniform_decode_query_len``), the shape of a draft-model engine's steps. A
+    LoopSpec engine never runs that shape through vLLM's forward (lane steps bypass it; steps that
+    verify lane chains have a prefill in them), but it does run decode steps of 1 token per request:
+    the lanes policy's plain steps and requests the lanes do not serve. Those fell to piecewise graphs
+    (attention outside the graph, once per bank), which made a plain step cost ~2x a vanilla
+    engine's on the H200 (benchmarks/RESULTS.md). So a LoopSpec runner declares 1-token decode
+    uniform before vLLM builds its graph keys and capture sizes (``_check_and_update_cudagraph_mode``
+    of vLLM 0.26's ``GPUModelRunner``, and the runner's ``CudagraphDispatcher``)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._check_and_update_cudagraph_mode
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def check_and_update_cudagraph_mode(self, *args, **kwargs):
+        if _loopspec_runner(self) is not None:
+            self.uniform_decode_query_len = 1
+            self.cudagraph_dispatcher.uniform_decode_query_len = 1
+        return original(self, *args, **kwargs)
+
+    check_and_update_cudagraph_mode._vllm_loop = True
+    GPUModelRunner._check_and_update_cudagraph_mode = check_and_update_cudagraph_mode
