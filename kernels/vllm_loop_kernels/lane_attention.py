@@ -101,9 +101,11 @@ def lane_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     n, Hq, D = q.shape
     H, B = k_pages.shape[2], k_pages.shape[3]
     rep = Hq // H
-    if q.stride(2) != 1 or pool.stride(4) != 1:
-        raise ValueError("lane_attention needs q and the lane pool contiguous in the head dimension")
-    out = torch.empty_like(q)
+    if pool.stride(4) != 1:
+        raise ValueError("lane_attention needs the lane pool contiguous in the head dimension")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     A = ancestors.shape[1]

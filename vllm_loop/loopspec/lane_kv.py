@@ -166,7 +166,7 @@ class LaneAttention:
         kv[banks, self.rows.slots, 1] = v.to(kv.dtype)
         if self.kernel is not None:
             r = self.rows
-            return self.kernel(q.contiguous(), self.paged.k, self.paged.v, self.paged.page_of, banks, r.prefix,
+            return self.kernel(q, self.paged.k, self.paged.v, self.paged.page_of, banks, r.prefix,
                                r.slots, r.block_rows, r.ancestors, kv, scale)
         kp, vp = self.paged.gather(self.blocks, banks, self.offsets)
         b = banks.unsqueeze(1).expand_as(self.window)
