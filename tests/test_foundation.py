@@ -36,3 +36,16 @@ def test_plugin_runs_inside_engine_and_generates(llama_llm):
     assert "RavenForCausalLM" in plugin.MODELS
     assert facts["plugin_archs"] == sorted(plugin.MODELS)
     assert facts["model_class"] == "LlamaForCausalLM"
+
+
+def test_every_package_folder_is_shipped():
+    """pyproject.toml lists its packages by hand (kernels/ ships as vllm_loop_kernels): the list must
+    name every package folder, or a wheel would miss it."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "vllm_loop").rglob("__init__.py")}
+    assert (root / "kernels" / "__init__.py").exists() and setup["package-dir"] == {"vllm_loop_kernels": "kernels"}
+    assert set(setup["packages"]) == found | {"vllm_loop_kernels"}

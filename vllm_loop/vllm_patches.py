@@ -59,7 +59,7 @@ def install_server_exit_status() -> None:
     import sys
 
     api = sys.modules.get("vllm.entrypoints.openai.api_server")
-    if api is None or getattr(api.serve_http, "vllm_loop", False):
+    if api is None or getattr(api.serve_http, "_vllm_loop", False):
         return
     serve_http = api.serve_http
 
@@ -77,7 +77,7 @@ def install_server_exit_status() -> None:
 
         return finish()
 
-    serve_http_with_exit_status.vllm_loop = True
+    serve_http_with_exit_status._vllm_loop = True
     api.serve_http = serve_http_with_exit_status
 
 

@@ -18,7 +18,7 @@ size, see ``policy.py``; ``"on"``: always lanes), ``lane_graphs`` (``"auto"``, t
 replay CUDA graphs wherever vLLM uses graphs -- a CUDA device, no ``enforce_eager``, one GPU per
 model; ``"on"``: always (without CUDA, the same padded calls run eagerly); ``"off"``: eager lane calls,
 see ``lane_graphs.py``), ``lane_attention`` (``"torch"``, the default: the PyTorch lane attention;
-``"triton"``: the kernel in ``kernels/vllm_loop_kernels/lane_attention.py``, CUDA only). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
+``"triton"``: the kernel in ``kernels/lane_attention.py``, CUDA only). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
 2:8 at R=32, scaled to the deployed R).
 """
 

@@ -104,7 +104,7 @@ class LaneGraphs:
 
     MIN_CONTEXT = 64
     MAX_CELLS = 1 << 16  # rows x context above this run eagerly: the torch lane attention gathers
-    #                      K/V per row, so a graph's memory grows with both (a lane kernel will not)
+    #                      K/V per row, so a graph's memory grows with both (the kernel's does not)
 
     def __init__(self, model, paged: PagedBanks, scratch: LaneScratch, *, table_width: int, ancestors: int,
                  max_rows: int, capture: bool, kernel=None):
@@ -124,6 +124,8 @@ class LaneGraphs:
     def shape(self, n: int, context: int) -> tuple[int, int] | None:
         """(padded rows, padded context) of a call, or None when it is outside the buckets."""
         rows = 1 << (max(1, n) - 1).bit_length()
+        if self.kernel is not None:  # the kernel reads each row's own prefix: one context bucket will do
+            return (rows, self.max_context) if rows <= self.max_rows else None
         ctx = min(max(self.MIN_CONTEXT, 1 << (max(1, context) - 1).bit_length()), self.max_context)
         if rows > self.max_rows or context > ctx or rows * ctx > self.MAX_CELLS:
             return None
@@ -133,10 +135,10 @@ class LaneGraphs:
         """Run ``kind`` on ``batch`` (built with ``self.shape``'s rows and context, ``self.ancestors``).
         Returns the logits of the real rows (``logits``), else None."""
         rows = batch.host.shape[0]
-        self.packed[:, :rows].copy_(batch.columns())
         key = (kind, rows, batch.context)
         if key not in self._graphs:
             self._graphs[key] = self._capture(kind, rows, batch.context)
+        self.packed[:, :rows].copy_(batch.columns())
         graph, out = self._graphs[key]
         if graph is None:  # no CUDA: the same padded call, eagerly
             out = lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
@@ -149,8 +151,7 @@ class LaneGraphs:
         if not self.capture:
             return None, None
         # Capture on padding rows only: the warm-up and the capture then run on the pad slot and
-        # change no lane's state (the real rows are filled again before the replay).
-        saved = self.packed[:, :rows].clone()
+        # change no lane's state (the caller fills in the real rows afterwards).
         pad = LaneBatch.empty(rows, self.ancestors, self.table_width, self.scratch.pad_slot)
         self.packed[:, :rows].copy_(LaneBatch(pad, self.ancestors, context, 0).columns())
 
@@ -166,5 +167,4 @@ class LaneGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = body()
-        self.packed[:, :rows].copy_(saved)
         return graph, out

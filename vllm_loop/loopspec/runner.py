@@ -117,16 +117,19 @@ class LoopSpecRunner:
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
-        self.graph_mode = k.get("lane_graphs", "auto")
+        graph_mode = k.get("lane_graphs", "auto")
         self.attention_mode = k.get("lane_attention", "torch")
-        cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
+        self.cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
         # the Triton lane attention (lane_attention "triton"); checked here, at start-up
-        self.kernel = triton_lane_attention(cuda) if self.attention_mode == "triton" else None
-        self.enforce_eager = vllm_config.model_config.enforce_eager
-        self.tp = vllm_config.parallel_config.tensor_parallel_size
-        if self.graph_mode == "on" and self.tp > 1:
+        self.kernel = triton_lane_attention(self.cuda) if self.attention_mode == "triton" else None
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if graph_mode == "on" and tp > 1:
             raise ValueError("speculative_config (loopspec): lane_graphs='on' needs tensor_parallel_size 1 "
-                             f"(got {self.tp}); allowed with tensor parallelism: 'auto', 'off'")
+                             f"(got {tp}); allowed with tensor parallelism: 'auto', 'off'")
+        # auto: graphs wherever vLLM itself would use them (a CUDA device, not enforce_eager); not under
+        # tensor parallelism, whose all-reduces would need vLLM's own capture context.
+        self.use_graphs = graph_mode == "on" or (
+            graph_mode == "auto" and self.cuda and not vllm_config.model_config.enforce_eager and tp == 1)
         self.model = None
         self.paged: PagedBanks | None = None
         self.scratch: LaneScratch | None = None
@@ -327,21 +330,15 @@ class LoopSpecRunner:
         self.scratch = LaneScratch(self.paged.num_banks, slots, self.paged.num_heads, self.paged.head_dim,
                                    self.model.lane_state_width, dtype, runner.kv_caches[0].device)
         mib = (self.scratch.kv.numel() + self.scratch.states.numel()) * self.scratch.kv.element_size() / 2**20
-        cuda = self.scratch.kv.device.type == "cuda"
-        # auto: graphs wherever vLLM itself would use them (a CUDA device, not enforce_eager); not under
-        # tensor parallelism, whose all-reduces would need vLLM's own capture context.
-        graphs = self.graph_mode == "on" or (self.graph_mode == "auto" and cuda and not self.enforce_eager
-                                             and self.tp == 1)
-        if graphs:
+        if self.use_graphs:
             self.graphs = LaneGraphs(self.model, self.paged, self.scratch,
                                      table_width=runner.input_batch.block_table[0].block_table.np.shape[1],
-                                     ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=cuda,
+                                     ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=self.cuda,
                                      kernel=self.kernel)
+        calls = "eager" if self.graphs is None else "as CUDA graphs" if self.cuda else "padded to graph shapes (no CUDA)"
         logger.info("LoopSpec lanes: %d slots (%d requests x %d lanes + 1), %.1f MiB of lane KV and states, "
                     "KV layout %s, lane calls %s, lane attention %s", slots, self.max_num_seqs, self.max_lanes, mib,
-                    self.paged.layout,
-                    "eager" if self.graphs is None else "as CUDA graphs" if cuda else "padded to graph shapes (no CUDA)",
-                    self.attention_mode)
+                    self.paged.layout, calls, self.attention_mode)
 
     def _assign_slots(self, lanes: list[Lane]) -> None:
         for lane in lanes:
@@ -393,7 +390,7 @@ class LoopSpecRunner:
         read: dict[int, dict[int, object]] = {id(row): {} for row in rows}
         readers = [(row, lane) for row, lane in items if lane.depth in sch.readout_depths]
         if readers:
-            logits = self._lane_call(runner, "logits", readers).float()
+            logits = self._lane_call(runner, "logits", readers)
             by_params: dict[SamplingParams, list[int]] = {}
             for i, (row, _) in enumerate(readers):
                 by_params.setdefault(row.live.pipe.params, []).append(i)
@@ -403,7 +400,7 @@ class LoopSpecRunner:
                     argmax = logits.argmax(-1).tolist() if argmax is None else argmax
                     values = [argmax[i] for i in idx]
                 else:
-                    values = readout_values(logits[idx].cpu(), params)
+                    values = readout_values(logits[idx].float().cpu(), params)
                 for i, value in zip(idx, values):
                     row, lane = readers[i]
                     read[id(row)][lane.id] = value

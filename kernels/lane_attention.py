@@ -19,6 +19,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, valid, m, l, acc, scale):
+    """Fold keys ``k`` / values ``v`` ``[N, D]`` (``valid [N]``) into the running max ``m``, sum ``l``
+    and weighted values ``acc`` of the query heads ``q [R, D]``."""
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [R, N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
 def _lane_attention_kernel(
     q_ptr, sq0, sq1,  # q [n, Hq, D] (last stride 1)
     out_ptr, so0, so1,  # out [n, Hq, D]
@@ -59,14 +71,7 @@ def _lane_attention_kernel(
                     mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + block[:, None] * sv0 + page * sv1 + head * sv2 + off[:, None] * sv3 + d[None, :] * sv4,
                     mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [R, N]
-        s = tl.where(jmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
+        m, l, acc = _online_softmax_step(q, k, v, jmask, m, l, acc, scale)
 
     # 2. the lane window: its ancestors (oldest first) then itself, from the lane pool
     a = tl.arange(0, BLOCK_A)
@@ -77,13 +82,7 @@ def _lane_attention_kernel(
     w_mask = amask[:, None] & dmask[None, :]
     k = tl.load(base, mask=w_mask, other=0.0).to(tl.float32)
     v = tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32)
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-    s = tl.where(amask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    m, l, acc = _online_softmax_step(q, k, v, amask, m, l, acc, scale)
 
     out = acc / l[:, None]
     tl.store(out_ptr + row * so0 + qh[:, None] * so1 + d[None, :], out.to(out_ptr.dtype.element_ty),
