@@ -5,15 +5,18 @@ one, so proposals get accepted; 0 = random weights), one engine per system, each
 subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
-* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on
-  (lane calls replayed from CUDA graphs on a GPU: ``lane_graphs`` "auto");
+* ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on,
+  the defaults otherwise (on a GPU: lane calls replayed from CUDA graphs, the Triton lane attention,
+  vLLM's fused custom ops);
 * ``loopspec-nographs`` -- the same with eager lane calls (``"lane_graphs": "off"``);
-* ``loopspec-triton`` -- lanes on, lane graphs, the Triton lane attention (``"lane_attention": "triton"``);
-* ``loopspec-auto`` -- the same with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
-* ``loopspec-fused`` -- lanes on, with vLLM's fused custom ops (``compilation_config.custom_ops =
-  ["all"]``): under torch.compile vLLM builds RMSNorm, SiLU-and-mul and rotary as native PyTorch
-  for Inductor to fuse, and the lanes, which call the layers eagerly, then run them unfused;
-* ``loopspec-triton-fused`` -- both;
+* ``loopspec-torch`` -- the same with the PyTorch lane attention (``"lane_attention": "torch"``);
+* ``loopspec-unfused`` -- the same with ``compilation_config.custom_ops = ["none"]`` (vLLM's default
+  under torch.compile: RMSNorm, SiLU-and-mul and rotary as native PyTorch for Inductor, which the
+  lanes, calling the layers outside the compiled forward, then run unfused);
+* ``loopspec-triton`` / ``loopspec-fused`` / ``loopspec-triton-fused`` -- lanes on with the Triton
+  lane attention / ``custom_ops = ["all"]`` / both named explicitly (the defaults on CUDA since
+  2026-12-01; before, the PyTorch attention and vLLM's ``custom_ops`` were);
+* ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy, ``ignore_eos``; the decode rate is
@@ -60,6 +63,8 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
     "tiny-raven": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 32},
                    {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
 }
+SYSTEMS = ("vanilla", "loopspec", "loopspec-auto", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
+           "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -96,8 +101,12 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):
         kw["speculative_config"]["lane_attention"] = "triton"
+    if system == "loopspec-torch":
+        kw["speculative_config"]["lane_attention"] = "torch"
     if system in ("loopspec-fused", "loopspec-triton-fused"):
         kw["compilation_config"] = {"custom_ops": ["all"]}
+    if system == "loopspec-unfused":
+        kw["compilation_config"] = {"custom_ops": ["none"]}
     t0 = time.time()
     llm = LLM(args.checkpoint, **kw)
     return llm, kw, cfg, R, time.time() - t0
@@ -152,6 +161,10 @@ def _core_weight_bytes(worker) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if core in n)
 
 
+def _lane_attention_mode(worker) -> str:
+    return worker.model_runner.drafter.attention_mode
+
+
 def profile(args) -> None:
     """One request decodes 64 tokens with lanes on (engine in this process): once plainly timed, once
     under ``torch.profiler``: ms per recurrent step, GPU kernel time per step, against the floor of one
@@ -190,7 +203,7 @@ def profile(args) -> None:
     sort = "cuda_time_total" if gpu else "cpu_time_total"
     graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
         not kw["enforce_eager"] else "eager"
-    attention = kw["speculative_config"].get("lane_attention", "torch")
+    attention = llm.collective_rpc(_lane_attention_mode)[0]
     head = (f"{args.shape}, one request, 64 tokens, {args.profile_system}: lanes on, lane calls {graphs}, lane "
             f"attention {attention}, {'GPU' if gpu else 'CPU'}, "
             f"{'enforce_eager' if kw['enforce_eager'] else 'compiled'} engine:\n"
@@ -199,8 +212,16 @@ def profile(args) -> None:
             f"  profiled: {wall * 1000:.1f} ms wall, {d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps, "
             f"{d.lanes_advanced / steps:.2f} lanes per step, gamma {d.summary(R)['gamma']:.2f}\n"
             f"  GPU kernel time {kernel_ms / steps:.3f} ms per recurrent step; floor (one pass over the shared "
-            f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n  ops sorted by {sort}:\n")
-    table = events.table(sort_by=sort, row_limit=40)
+            f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n")
+    # host-side ranges the runner marks (record_function "loopspec.*"), per recurrent step, under the
+    # profiler (which slows the host): "read" includes waiting for the GPU to finish the step
+    ranges = {e.key[len("loopspec."):]: e.cpu_time_total / 1000 / steps
+              for e in events if e.key.startswith("loopspec.")}
+    if ranges:
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ranges.items(), key=lambda kv: -kv[1]))
+        head += (f"  host ms per recurrent step in the runner's ranges: {parts}; engine outside lane steps "
+                 f"{wall * 1000 / steps - ranges.get('lane_step', 0):.3f}\n")
+    table = f"  ops sorted by {sort}:\n" + events.table(sort_by=sort, row_limit=40)
     Path(args.out).with_suffix(".profile.txt").write_text(head + table + "\n")
     print(head, flush=True)
 
@@ -232,8 +253,7 @@ def main() -> int:
     ap.add_argument("--agreement", default="0.005", help="factory agreement option (0: random weights)")
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
     ap.add_argument("--systems", default="vanilla,loopspec",
-                    help="comma-separated: vanilla, loopspec, loopspec-auto, loopspec-nographs, loopspec-triton, "
-                    "loopspec-fused, loopspec-triton-fused, in-tree")
+                    help="comma-separated: " + ", ".join(SYSTEMS))
     ap.add_argument("--profile", action="store_true", help="also profile lane steps (torch.profiler)")
     ap.add_argument("--profile-system", default="loopspec", help="the LoopSpec system --profile runs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
@@ -255,6 +275,9 @@ def main() -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
+    unknown = [x for x in args.systems.split(",") + [args.profile_system] if x not in SYSTEMS]
+    if unknown:
+        ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)}")
 
     if args.checkpoint is None:
         from vllm_loop.testing.checkpoints import make_checkpoint
@@ -265,17 +288,21 @@ def main() -> int:
         make_checkpoint(family, folder, options=opts, **overrides)
         print(f"checkpoint {folder} written in {time.time() - t0:.0f} s", flush=True)
         args.checkpoint = str(folder)
-    results = {}
+    results, failed = {}, []
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
                "--eager", args.eager, "--prompts", args.prompts, "--concurrency", *map(str, args.concurrency)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
+        if proc.returncode != 0 or line is None:  # keep the other systems' numbers; report this one
             print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-            raise SystemExit(f"{system}: the benchmark worker failed (exit {proc.returncode})")
+            print(f"{system}: the benchmark worker failed (exit {proc.returncode})", file=sys.stderr, flush=True)
+            failed.append(system)
+            continue
         results[system] = json.loads(line[len("RESULT "):])
+        print(f"{system}: " + json.dumps([{k: r[k] for k in ("concurrency", "tok_s")} for r in results[system]["rows"]]),
+              flush=True)
     base = {r["concurrency"]: r for r in results["vanilla"]["rows"]} if "vanilla" in results else {}
     table = []
     for system, res in results.items():
@@ -299,7 +326,7 @@ def main() -> int:
     out = {"shape": args.shape, "checkpoint": args.checkpoint, "prompts": args.prompts,
            "agreement": float(args.agreement), "spec": json.loads(args.spec),
            "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
-           "systems": results}
+           "systems": results, "failed": failed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     plot(table, args, Path(args.out).with_suffix(".png"))
@@ -314,7 +341,9 @@ def main() -> int:
         print(Path(args.out).with_suffix(".profile.txt").read_text())
     for row in table:
         print(json.dumps(row))
-    return 0
+    if failed:
+        print(f"failed systems: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

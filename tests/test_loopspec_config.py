@@ -48,7 +48,7 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert spec.num_speculative_tokens == 4  # ceil(R / d1)
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "torch"}
+                                                  "lane_attention": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -59,7 +59,7 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "torch"}
+                                                  "lane_attention": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
@@ -78,7 +78,7 @@ BAD = [
     ({"method": "loopspec", "lanes": "off"}, "lanes='off' is invalid; allowed values: 'auto', 'on'"),
     ({"method": "loopspec", "lane_graphs": True}, "lane_graphs=True is invalid; allowed values: 'auto', 'on', 'off'"),
     ({"method": "loopspec", "lane_attention": "flash"},
-     "lane_attention='flash' is invalid; allowed values: 'torch', 'triton'"),
+     "lane_attention='flash' is invalid; allowed values: 'auto', 'torch', 'triton'"),
 ]
 
 
@@ -96,6 +96,30 @@ def test_triton_lane_attention_needs_cuda_at_start_up(ckpt_factory, monkeypatch)
     cfg = _config(ckpt_factory("ouro"), {"method": "loopspec", "lane_attention": "triton"})
     with pytest.raises(ValueError, match="lane_attention='triton' needs a CUDA device .*allowed on this device: 'torch'"):
         LoopSpecRunner(cfg)
+
+
+def test_lane_attention_auto_is_the_kernel_on_cuda_only(ckpt_factory):
+    from vllm_loop.loopspec.runner import LoopSpecRunner
+
+    runner = LoopSpecRunner(_config(ckpt_factory("ouro"), {"method": "loopspec"}))
+    assert runner.attention_mode == "torch" and runner.kernel is None  # this machine has no CUDA
+
+
+@pytest.mark.parametrize("cuda, chosen, expected", [(True, [], ["all"]), (True, ["+rms_norm"], ["+rms_norm"]),
+                                                    (False, [], [])])
+def test_loopspec_turns_on_fused_ops_on_cuda_unless_the_user_chose(monkeypatch, cuda, chosen, expected):
+    """Lane calls run outside vLLM's compiled forward: on CUDA a LoopSpec engine takes vLLM's fused
+    CUDA ops (custom_ops "all") unless --compilation-config names custom_ops itself; CPU unchanged."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from vllm_loop.vllm_patches import _fused_ops_for_lanes
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: cuda)
+    cc = SimpleNamespace(custom_ops=list(chosen))
+    _fused_ops_for_lanes(cc)
+    assert cc.custom_ops == expected
 
 
 def test_loopspec_needs_a_looped_model(ckpt_factory):

@@ -131,6 +131,9 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         census = llm.collective_rpc(lane_census)[0]
         # vllm_patches.install_loopspec_decode_graphs: 1-token decode steps count as uniform
         assert llm.collective_rpc(lambda w: w.model_runner.uniform_decode_query_len)[0] == 1
+        # lane_attention "auto" without CUDA: the PyTorch lane attention (the kernel is CUDA's default)
+        assert llm.collective_rpc(lambda w: w.model_runner.drafter.attention_mode)[0] == spec.get(
+            "lane_attention", "torch")
     finally:
         stop_llm(llm)
     ref = load_reference(path)

@@ -17,8 +17,9 @@ default: each decode step runs lanes or plain decoding, whichever has measured f
 size, see ``policy.py``; ``"on"``: always lanes), ``lane_graphs`` (``"auto"``, the default: lane calls
 replay CUDA graphs wherever vLLM uses graphs -- a CUDA device, no ``enforce_eager``, one GPU per
 model; ``"on"``: always (without CUDA, the same padded calls run eagerly); ``"off"``: eager lane calls,
-see ``lane_graphs.py``), ``lane_attention`` (``"torch"``, the default: the PyTorch lane attention;
-``"triton"``: the kernel in ``kernels/lane_attention.py``, CUDA only). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
+see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton kernel in
+``kernels/lane_attention.py`` on a CUDA device, the PyTorch lane attention elsewhere; ``"triton"``,
+``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
 2:8 at R=32, scaled to the deployed R).
 """
 
@@ -35,7 +36,7 @@ logger = get_logger(__name__)
 METHOD = "loopspec"
 KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention")
 LANE_GRAPHS = ("auto", "on", "off")
-LANE_ATTENTION = ("torch", "triton")
+LANE_ATTENTION = ("auto", "torch", "triton")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -127,7 +128,7 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if graphs not in LANE_GRAPHS:
         raise ValueError(f"speculative_config (loopspec): lane_graphs={graphs!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANE_GRAPHS))}")
-    attention = config.get("lane_attention", "torch")
+    attention = config.get("lane_attention", "auto")
     if attention not in LANE_ATTENTION:
         raise ValueError(f"speculative_config (loopspec): lane_attention={attention!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANE_ATTENTION))}")

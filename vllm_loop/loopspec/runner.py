@@ -28,7 +28,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from torch.profiler import record_function
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs
@@ -118,8 +120,12 @@ class LoopSpecRunner:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
         graph_mode = k.get("lane_graphs", "auto")
-        self.attention_mode = k.get("lane_attention", "torch")
         self.cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
+        # auto: the kernel on CUDA (5.6 against 7.1 ms per Ouro-1.4B recurrent step on the H200,
+        # benchmarks/RESULTS.md), the PyTorch path elsewhere
+        self.attention_mode = k.get("lane_attention", "auto")
+        if self.attention_mode == "auto":
+            self.attention_mode = "triton" if self.cuda else "torch"
         # the Triton lane attention (lane_attention "triton"); checked here, at start-up
         self.kernel = triton_lane_attention(self.cuda) if self.attention_mode == "triton" else None
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -160,7 +166,7 @@ class LoopSpecRunner:
         self._ensure_storage(runner)
         before = self._pipeline_stats()
         rows = self._rows(runner, scheduler_output)
-        with torch.inference_mode():
+        with torch.inference_mode(), record_function("loopspec.lane_step"):
             steps = 0
             while self._more_steps(rows, steps):
                 self._recurrent_step(runner, [row for row in rows if not row.done])
@@ -357,20 +363,22 @@ class LoopSpecRunner:
     def _lane_call(self, runner, kind: str, items: list[tuple[_Row, Lane]]) -> torch.Tensor | None:
         """Run lane call ``kind`` (``lane_graphs.KINDS``) on ``items``: replayed from a CUDA graph when
         its shape has a bucket, else eagerly. Each row's committed prefix is its request's root position."""
-        n = len(items)
-        context = max(row.live.pipe.root.position for row, _ in items)
-        ancestry = [[a.slot for a in row.live.pipe.tree.ancestors(lane)] for row, lane in items]
-        shape = self.graphs.shape(n, context) if self.graphs is not None else None
-        rows, ctx = shape if shape is not None else (n, context)
-        width = self.graphs.ancestors if shape is not None else max(map(len, ancestry), default=0)
-        table = runner.input_batch.block_table[0].block_table.np
-        batch = LaneBatch.pack([(lane.slot, lane.position, lane.depth, lane.token, row.live.pipe.root.position)
-                                for row, lane in items], ancestry, table[[row.index for row, _ in items]],
-                               rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
-        if shape is not None:
-            return self.graphs(kind, batch)
-        packed = batch.columns().to(self.scratch.kv.device)
-        return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel)
+        # a named range in torch.profiler traces (benchmarks/loopspec_speed.py --profile); ~1 us otherwise
+        with record_function(f"loopspec.{kind}"):
+            n = len(items)
+            context = max(row.live.pipe.root.position for row, _ in items)
+            ancestry = [[a.slot for a in row.live.pipe.tree.ancestors(lane)] for row, lane in items]
+            shape = self.graphs.shape(n, context) if self.graphs is not None else None
+            rows, ctx = shape if shape is not None else (n, context)
+            width = self.graphs.ancestors if shape is not None else max(map(len, ancestry), default=0)
+            table = runner.input_batch.block_table[0].block_table.np
+            batch = LaneBatch.pack([(lane.slot, lane.position, lane.depth, lane.token, row.live.pipe.root.position)
+                                    for row, lane in items], ancestry, table[[row.index for row, _ in items]],
+                                   rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
+            if shape is not None:
+                return self.graphs(kind, batch)
+            packed = batch.columns().to(self.scratch.kv.device)
+            return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel)
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
@@ -395,28 +403,31 @@ class LoopSpecRunner:
             for i, (row, _) in enumerate(readers):
                 by_params.setdefault(row.live.pipe.params, []).append(i)
             argmax = None  # greedy rows: only the argmax crosses to the host
-            for params, idx in by_params.items():
-                if params.greedy:
-                    argmax = logits.argmax(-1).tolist() if argmax is None else argmax
-                    values = [argmax[i] for i in idx]
-                else:
-                    values = readout_values(logits[idx].float().cpu(), params)
-                for i, value in zip(idx, values):
-                    row, lane = readers[i]
-                    read[id(row)][lane.id] = value
+            with record_function("loopspec.read"):  # the host waits for the GPU here
+                for params, idx in by_params.items():
+                    if params.greedy:
+                        argmax = logits.argmax(-1).tolist() if argmax is None else argmax
+                        values = [argmax[i] for i in idx]
+                    else:
+                        values = readout_values(logits[idx].float().cpu(), params)
+                    for i, value in zip(idx, values):
+                        row, lane = readers[i]
+                        read[id(row)][lane.id] = value
         # 3. each request's decisions
         commits: list[tuple[_Row, Commit]] = []
         spawned: list[tuple[_Row, Lane]] = []
-        for row in rows:
-            step = row.live.pipe.advance(read[id(row)], lambda token, row=row: self._is_final(row, token))
-            self._free(step.pruned)
-            if step.commit is not None:
-                commits.append((row, step.commit))
-                row.tokens.append(step.commit.verdict.token)
-            spawned.extend((row, lane) for lane in step.spawned)
+        with record_function("loopspec.decide"):
+            for row in rows:
+                step = row.live.pipe.advance(read[id(row)], lambda token, row=row: self._is_final(row, token))
+                self._free(step.pruned)
+                if step.commit is not None:
+                    commits.append((row, step.commit))
+                    row.tokens.append(step.commit.verdict.token)
+                spawned.extend((row, lane) for lane in step.spawned)
         # 4. verified roots: their K/V of every bank goes to the paged cache, then their slots are free
         if commits:
-            self._commit_kv(runner, commits)
+            with record_function("loopspec.commit_kv"):
+                self._commit_kv(runner, commits)
         # 5. pre-layers for the new lanes
         if spawned:
             self._assign_slots([lane for _, lane in spawned])
@@ -446,11 +457,13 @@ class LoopSpecRunner:
             self._step.full += source == CommitSource.FULL
             self._step.first_verified += root.first is not None
             self._step.second_verified += root.second is not None
-        banks = torch.arange(nb, device=device).repeat(len(commits))
-        slot_t = torch.tensor(slots, device=device).repeat_interleave(nb)
+        # (bank, slot, block, offset) of every commit at every bank, built host-side: one copy to the device
+        index = np.empty((4, len(commits), nb), dtype=np.int64)
+        index[0] = np.arange(nb)
+        index[1:] = np.array([slots, blocks, offsets], dtype=np.int64)[:, :, None]
+        banks, slot_t, block_t, offset_t = torch.from_numpy(index.reshape(4, -1)).to(device)
         kv = self.scratch.kv[banks, slot_t]  # [m * banks, 2, H, D]
-        self.paged.write(torch.tensor(blocks, device=device).repeat_interleave(nb), banks,
-                         torch.tensor(offsets, device=device).repeat_interleave(nb), kv[:, 0], kv[:, 1])
+        self.paged.write(block_t, banks, offset_t, kv[:, 0], kv[:, 1])
         self._free([commit.lane for _, commit in commits])
 
     def _finish_lane_step(self, runner, rows: list[_Row]):
