@@ -5,8 +5,10 @@ context into new tensors, casts them to fp32 and runs a masked softmax: ~20 kern
 memory traffic that grows with rows x padded context. Here one program handles one lane and one KV
 head (its group of query heads): it walks the lane's committed prefix through its request's block
 table, at the page of the lane's own bank, then its ancestors' and its own K/V in the lane pool,
-with an online softmax in fp32 (flash-decoding style, one pass). Decode-shaped: a handful of query
-heads per program, so the products are broadcasts, not ``tl.dot``.
+with an online softmax in fp32 (flash-decoding style, one pass). The lane's own new K/V is stored
+into its pool slot here too (the PyTorch path writes it with two scatters per layer first) and
+attended to from registers. Decode-shaped: a handful of query heads per program, so the products
+are broadcasts, not ``tl.dot``.
 
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how CI checks it against the PyTorch path).
 """
@@ -33,6 +35,7 @@ def _online_softmax_step(q, k, v, valid, m, l, acc, scale):
 @triton.jit
 def _lane_attention_kernel(
     q_ptr, sq0, sq1,  # q [n, Hq, D] (last stride 1)
+    kn_ptr, skn0, skn1, vn_ptr, svn0, svn1,  # the rows' own new k, v [n, H, D] (last stride 1)
     out_ptr, so0, so1,  # out [n, Hq, D]
     k_ptr, v_ptr, sk0, sk1, sk2, sk3, sk4, sv0, sv1, sv2, sv3, sv4,  # paged K / V [blocks, pages, H, B, D]
     page_of_ptr,  # [banks] page of each global bank
@@ -73,43 +76,52 @@ def _lane_attention_kernel(
                     mask=kv_mask, other=0.0).to(tl.float32)
         m, l, acc = _online_softmax_step(q, k, v, jmask, m, l, acc, scale)
 
-    # 2. the lane window: its ancestors (oldest first) then itself, from the lane pool
+    # 2. the lane's own K/V: into its pool slot (as stored, so self-attention sees the pool's rounding)
+    pool_ty = pool_ptr.dtype.element_ty
+    own = pool_ptr + bank.to(tl.int64) * sp0 + tl.load(slots_ptr + row).to(tl.int64) * sp1 + head * sp3 + d
+    k_own = tl.load(kn_ptr + row * skn0 + head * skn1 + d, mask=dmask, other=0.0).to(pool_ty)
+    v_own = tl.load(vn_ptr + row * svn0 + head * svn1 + d, mask=dmask, other=0.0).to(pool_ty)
+    tl.store(own, k_own, mask=dmask)
+    tl.store(own + sp2, v_own, mask=dmask)
+
+    # 3. the lane window: its ancestors (oldest first) from the lane pool, then itself
     a = tl.arange(0, BLOCK_A)
     slot = tl.load(anc_ptr + row * sa0 + a * sa1, mask=a < A, other=-1)
-    slot = tl.where(a == A, tl.load(slots_ptr + row), slot)
-    amask = (slot >= 0) & (a <= A)
+    ancestor = (slot >= 0) & (a < A)
     base = pool_ptr + bank.to(tl.int64) * sp0 + tl.maximum(slot, 0).to(tl.int64)[:, None] * sp1 + head * sp3 + d[None, :]
-    w_mask = amask[:, None] & dmask[None, :]
-    k = tl.load(base, mask=w_mask, other=0.0).to(tl.float32)
-    v = tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32)
-    m, l, acc = _online_softmax_step(q, k, v, amask, m, l, acc, scale)
+    w_mask = ancestor[:, None] & dmask[None, :]
+    is_self = (a == A)[:, None]
+    k = tl.where(is_self, k_own.to(tl.float32)[None, :], tl.load(base, mask=w_mask, other=0.0).to(tl.float32))
+    v = tl.where(is_self, v_own.to(tl.float32)[None, :], tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32))
+    m, l, acc = _online_softmax_step(q, k, v, ancestor | (a == A), m, l, acc, scale)
 
     out = acc / l[:, None]
     tl.store(out_ptr + row * so0 + qh[:, None] * so1 + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
 
-def lane_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_of: torch.Tensor,
-                   banks: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, block_rows: torch.Tensor,
-                   ancestors: torch.Tensor, pool: torch.Tensor, scale: float, block_n: int = 32) -> torch.Tensor:
-    """``q [n, Hq, D]`` of lanes at global banks ``banks [n]``; each reads positions ``0..prefix-1``
-    of its request (``block_rows [n, W]``, kernel blocks of ``k_pages / v_pages [blocks, pages, H, B, D]``,
-    bank -> page by ``page_of``), then the lane pool ``pool [banks, slots, 2, H, D]`` at its
-    ``ancestors [n, A]`` (-1 padded) and its own ``slots [n]`` (its K/V already written there).
-    Returns ``[n, Hq, D]`` in q's dtype."""
+def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
+                   v_pages: torch.Tensor, page_of: torch.Tensor, banks: torch.Tensor, prefix: torch.Tensor,
+                   slots: torch.Tensor, block_rows: torch.Tensor, ancestors: torch.Tensor, pool: torch.Tensor,
+                   scale: float, block_n: int = 32) -> torch.Tensor:
+    """``q [n, Hq, D]`` and new ``k, v [n, H, D]`` of lanes at global banks ``banks [n]``; each
+    stores its k, v in the lane pool ``pool [banks, slots, 2, H, D]`` at its own ``slots [n]``, and
+    reads positions ``0..prefix-1`` of its request (``block_rows [n, W]``, kernel blocks of
+    ``k_pages / v_pages [blocks, pages, H, B, D]``, bank -> page by ``page_of``), then the pool at its
+    ``ancestors [n, A]`` (-1 padded), then itself. Returns ``[n, Hq, D]`` in q's dtype."""
     n, Hq, D = q.shape
     H, B = k_pages.shape[2], k_pages.shape[3]
     rep = Hq // H
     if pool.stride(4) != 1:
         raise ValueError("lane_attention needs the lane pool contiguous in the head dimension")
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     A = ancestors.shape[1]
     _lane_attention_kernel[(n, H)](
         q, q.stride(0), q.stride(1),
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         out, out.stride(0), out.stride(1),
         k_pages, v_pages, *k_pages.stride(), *v_pages.stride(),
         page_of, banks, prefix, slots,

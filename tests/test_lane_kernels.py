@@ -50,22 +50,23 @@ def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int
     )
     banks = torch.tensor([b for _, _, b, _ in spec])
     n = len(spec)
-    qkv = torch.randn(n, (Hq + 2 * H) * D, generator=g).to(dtype)  # q as the model passes it: a view
-    q = qkv[:, : Hq * D].view(n, Hq, D)
-    k, v = torch.randn(n, H, D, generator=g).to(dtype), torch.randn(n, H, D, generator=g).to(dtype)
+    qkv = torch.randn(n, (Hq + 2 * H) * D, generator=g).to(dtype)
     move = lambda t: t.to(device)  # noqa: E731
     paged.pages, paged.k, paged.v, paged.page_of = (move(x) for x in (paged.pages, paged.k, paged.v, paged.page_of))
     scratch.kv, scratch.states = move(scratch.kv), move(scratch.states)
     rows = LaneRows(*(move(x) for x in (rows.slots, rows.prefix, rows.block_rows, rows.ancestors)), rows.context)
-    q = move(qkv)[:, : Hq * D].view(n, Hq, D)
-    return paged, scratch, rows, move(banks), q, move(k), move(v)
+    q, k, v = move(qkv).split([Hq * D, H * D, H * D], dim=-1)  # as the model passes them: strided views
+    return paged, scratch, rows, move(banks), q.view(n, Hq, D), k.view(n, H, D), v.view(n, H, D)
 
 
 def compare(kernel, layout: str, device: str, dtype=torch.float32, heads=(4, 2), D=32, tol=1e-5):
     paged, scratch, rows, banks, q, k, v = lane_attention_case(layout, device, dtype, heads=heads, D=D)
-    assert not q.is_contiguous()
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    before = scratch.kv.clone()
     want = LaneAttention(paged, scratch, rows)(banks, q, k, v, D**-0.5)
     kv_torch = scratch.kv.clone()
+    scratch.kv.copy_(before)
+    scratch.kv[banks, rows.slots] = float("nan")  # the kernel must store the rows' own K/V itself
     got = LaneAttention(paged, scratch, rows, kernel=kernel)(banks, q, k, v, D**-0.5)
     assert torch.equal(scratch.kv, kv_torch)  # both write the rows' own K/V the same way
     torch.testing.assert_close(got[:-1].float(), want[:-1].float(), atol=tol, rtol=tol)  # real rows

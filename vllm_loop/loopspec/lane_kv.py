@@ -162,12 +162,12 @@ class LaneAttention:
     def __call__(self, banks: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """``q [n, Hq, D]``, ``k, v [n, H, D]``, ``banks [n]`` (global bank ids) -> ``[n, Hq, D]``."""
         kv = self.scratch.kv
+        if self.kernel is not None:  # it stores the rows' own K/V in the pool itself
+            r = self.rows
+            return self.kernel(q, k, v, self.paged.k, self.paged.v, self.paged.page_of, banks, r.prefix,
+                               r.slots, r.block_rows, r.ancestors, kv, scale)
         kv[banks, self.rows.slots, 0] = k.to(kv.dtype)
         kv[banks, self.rows.slots, 1] = v.to(kv.dtype)
-        if self.kernel is not None:
-            r = self.rows
-            return self.kernel(q, self.paged.k, self.paged.v, self.paged.page_of, banks, r.prefix,
-                               r.slots, r.block_rows, r.ancestors, kv, scale)
         kp, vp = self.paged.gather(self.blocks, banks, self.offsets)
         b = banks.unsqueeze(1).expand_as(self.window)
         K = torch.cat([kp.to(kv.dtype), kv[b, self.window, 0]], dim=1)  # [n, M + A + 1, H, D]
