@@ -90,10 +90,11 @@ def _lane_attention_kernel(
     ancestor = (slot >= 0) & (a < A)
     base = pool_ptr + bank.to(tl.int64) * sp0 + tl.maximum(slot, 0).to(tl.int64)[:, None] * sp1 + head * sp3 + d[None, :]
     w_mask = ancestor[:, None] & dmask[None, :]
-    is_self = (a == A)[:, None]
-    k = tl.where(is_self, k_own.to(tl.float32)[None, :], tl.load(base, mask=w_mask, other=0.0).to(tl.float32))
-    v = tl.where(is_self, v_own.to(tl.float32)[None, :], tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32))
-    m, l, acc = _online_softmax_step(q, k, v, ancestor | (a == A), m, l, acc, scale)
+    is_self = a == A
+    k = tl.where(is_self[:, None], k_own.to(tl.float32)[None, :], tl.load(base, mask=w_mask, other=0.0).to(tl.float32))
+    v = tl.where(is_self[:, None], v_own.to(tl.float32)[None, :],
+                 tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32))
+    m, l, acc = _online_softmax_step(q, k, v, ancestor | is_self, m, l, acc, scale)
 
     out = acc / l[:, None]
     tl.store(out_ptr + row * so0 + qh[:, None] * so1 + d[None, :], out.to(out_ptr.dtype.element_ty),

@@ -142,8 +142,8 @@ class LaneRows:
 class LaneAttention:
     """Attention of a batch of lanes, each row at its own bank: installed for one lane call.
 
-    ``kernel``: the Triton kernel (``kernels/lane_attention.py``), which reads the
-    paged prefix and the lane window in place; None: the PyTorch path below."""
+    ``kernel``: the Triton kernel (``kernels/lane_attention.py``), which stores the rows' own K/V and
+    reads the paged prefix and the lane window in place; None: the PyTorch path below."""
 
     def __init__(self, paged: PagedBanks, scratch: LaneScratch, rows: LaneRows, kernel=None):
         self.paged, self.scratch, self.rows, self.kernel = paged, scratch, rows, kernel
