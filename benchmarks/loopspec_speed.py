@@ -197,8 +197,10 @@ def profile(args) -> None:
     d = engine_totals().minus(before)
     steps = max(d.recurrent_steps, 1)
     events = prof.key_averages()
-    kernel_ms = sum(e.self_device_time_total for e in events  # kernels only (ops would count them twice)
-                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1000
+    # kernels only: ops would count them twice, and the runner's ``loopspec.*`` ranges also appear
+    # as device-side events spanning their kernels
+    kernel_ms = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("loopspec.")) / 1000
     floor_ms = llm.collective_rpc(_core_weight_bytes)[0] / 4.8e12 * 1000
     sort = "cuda_time_total" if gpu else "cpu_time_total"
     graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
@@ -215,8 +217,8 @@ def profile(args) -> None:
             f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n")
     # host-side ranges the runner marks (record_function "loopspec.*"), per recurrent step, under the
     # profiler (which slows the host): "read" includes waiting for the GPU to finish the step
-    ranges = {e.key[len("loopspec."):]: e.cpu_time_total / 1000 / steps
-              for e in events if e.key.startswith("loopspec.")}
+    ranges = {e.key[len("loopspec."):]: e.cpu_time_total / 1000 / steps for e in events
+              if e.key.startswith("loopspec.") and e.device_type == torch.autograd.DeviceType.CPU}
     if ranges:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ranges.items(), key=lambda kv: -kv[1]))
         head += (f"  host ms per recurrent step in the runner's ranges: {parts}; engine outside lane steps "

@@ -188,6 +188,45 @@ def test_padded_lane_calls_equal_exact_ones(kind):
     assert torch.equal(scratch.kv[:, others], kv0[:, others]) and torch.equal(scratch.states[others], states0[others])
 
 
+class _NormPriorityProbe(_ToyLanes):
+    """Records which RMSNorm implementations vLLM would dispatch to while a lane call runs."""
+
+    def lane_core(self, state, positions, depths):
+        from vllm import ir
+
+        self.seen = (ir.ops.rms_norm.get_priority(), ir.ops.fused_add_rms_norm.get_priority())
+        return super().lane_core(state, positions, depths)
+
+
+def test_lane_calls_take_vllms_c_rmsnorm_where_it_runs(monkeypatch):
+    """vLLM 0.26 compiles its forward with Inductor and so dispatches RMSNorm to the native PyTorch
+    code (fused by Inductor there); the lane calls run outside that forward, so they ask for vLLM's C
+    kernel wherever it is supported (on the H200 this took Ouro-1.4B from 5.6 to 3.0 ms per recurrent
+    step), and put the priority back afterwards. On the CPU the C kernel is unsupported: native."""
+    import vllm.kernels  # noqa: F401  (registers the vllm_c implementations, as a worker does)
+    from vllm import ir
+
+    from vllm_loop.loopspec.lane_graphs import LaneBatch, lane_call
+
+    g = torch.Generator().manual_seed(1)
+    _, caches = _packed()
+    paged = PagedBanks(caches)
+    scratch = LaneScratch(S, 8, H, D, H * D, torch.float32, "cpu")
+    model = _NormPriorityProbe(g)
+    table = torch.tensor([[3, 1, 0, 0]]).numpy()
+    batch = LaneBatch.pack([(1, 3, 0, 7, 3)], [[]], table, rows=1, ancestors=0, context=3, pad_slot=scratch.pad_slot)
+    ops = (ir.ops.rms_norm, ir.ops.fused_add_rms_norm)
+    before = [op.get_priority() for op in ops]
+
+    lane_call(model, paged, scratch, "core", batch.columns(), 0, 3)
+    assert model.seen == (["native"], ["native"])  # CPU: vllm_c is registered but unsupported
+    for op in ops:  # as on a CUDA device
+        monkeypatch.setattr(op.impls["vllm_c"], "supported", True)
+    lane_call(model, paged, scratch, "core", batch.columns(), 0, 3)
+    assert model.seen == (["vllm_c", "native"], ["vllm_c", "native"])
+    assert [op.get_priority() for op in ops] == before  # vLLM's own forward keeps its choice
+
+
 def test_lane_scratch_slots_come_back():
     scratch = LaneScratch(2, 3, 1, 4, 4, torch.float32, "cpu")
     taken = [scratch.take() for _ in range(3)]

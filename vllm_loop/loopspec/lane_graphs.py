@@ -24,6 +24,7 @@ buffers are tested everywhere and only the capture needs a GPU.
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,13 +82,28 @@ def device_rows(packed: torch.Tensor, ancestors: int, context: int):
     return rows, packed[POSITION], packed[DEPTH], packed[TOKEN]
 
 
+@contextmanager
+def compiled_norms():
+    """vLLM's C RMSNorm kernels for the length of a lane call. vLLM 0.26 dispatches RMSNorm through
+    ``vllm.ir`` and, when it compiles with Inductor, picks the native (PyTorch) implementation, which
+    Inductor fuses inside vLLM's forward; the lane calls run outside it, where native is ~10 kernels
+    per norm. Where the C kernel is not built (CPU) this changes nothing."""
+    from vllm import ir
+
+    with ExitStack() as stack:
+        for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
+            providers = [p for p in ("vllm_c", "native") if p in op.impls]
+            stack.enter_context(op.set_priority(providers))
+        yield
+
+
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
               context: int, kernel=None) -> torch.Tensor | None:
     """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
     returns the logits of every row (padding rows included). ``kernel``: the lane attention kernel
     (None: the PyTorch lane attention)."""
     rows, positions, depths, tokens = device_rows(packed, ancestors, context)
-    with lane_attention(LaneAttention(paged, scratch, rows, kernel)):
+    with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms():
         if kind == "pre":
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
         elif kind == "core":
