@@ -7,12 +7,13 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``vanilla``  -- this plugin's model, ordinary decoding;
 * ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on,
   the defaults otherwise (on a GPU: lane calls replayed from CUDA graphs, the Triton lane attention,
-  vLLM's fused custom ops);
+  vLLM's fused custom ops, vLLM's C RMSNorm in the lane calls);
 * ``loopspec-nographs`` -- the same with eager lane calls (``"lane_graphs": "off"``);
 * ``loopspec-torch`` -- the same with the PyTorch lane attention (``"lane_attention": "torch"``);
 * ``loopspec-unfused`` -- the same with ``compilation_config.custom_ops = ["none"]`` (vLLM's default
-  under torch.compile: RMSNorm, SiLU-and-mul and rotary as native PyTorch for Inductor, which the
-  lanes, calling the layers outside the compiled forward, then run unfused);
+  under torch.compile: SiLU-and-mul and rotary as native PyTorch for Inductor, which the lanes,
+  calling the layers outside the compiled forward, then run unfused; RMSNorm is not a custom op in
+  vLLM 0.26, and the lane calls always take its C kernel);
 * ``loopspec-triton`` / ``loopspec-fused`` / ``loopspec-triton-fused`` -- lanes on with the Triton
   lane attention / ``custom_ops = ["all"]`` / both named explicitly (the defaults on CUDA since
   2026-12-01; before, the PyTorch attention and vLLM's ``custom_ops`` were);

@@ -342,11 +342,12 @@ def install_loopspec_front_door() -> None:
 
 
 def _fused_ops_for_lanes(compilation_config) -> None:
-    """Under torch.compile vLLM builds RMSNorm, SiLU-and-mul and rotary as native PyTorch for Inductor
-    to fuse (``custom_ops`` "none"); but lane calls run the layers outside vLLM's compiled forward,
-    and then run them unfused: ~10 small kernels per norm. On CUDA, unless the user chose
-    ``custom_ops``, a LoopSpec engine uses vLLM's fused CUDA ops ("all", as in an eager engine):
-    an Ouro-1.4B lane engine went from 100 to 121 tok/s on the H200 (benchmarks/RESULTS.md)."""
+    """Under torch.compile vLLM builds SiLU-and-mul and rotary as native PyTorch for Inductor to fuse
+    (``custom_ops`` "none"); but lane calls run the layers outside vLLM's compiled forward, and then
+    run them unfused. On CUDA, unless the user chose ``custom_ops``, a LoopSpec engine uses vLLM's
+    fused CUDA ops ("all", as in an eager engine): an Ouro-1.4B lane engine went from 100 to 121
+    tok/s on the H200 (benchmarks/RESULTS.md). RMSNorm is not a custom op in vLLM 0.26 (a ``vllm.ir``
+    op, chosen per call): the lane calls pick its C kernel themselves (``lane_graphs.compiled_norms``)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda() and not compilation_config.custom_ops:
