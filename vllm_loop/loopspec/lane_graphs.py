@@ -15,7 +15,7 @@ Fixed shapes: rows are padded to a power of two, the committed context to a powe
 ``MIN_CONTEXT``, at most what the block table reaches), ancestors to the request's lane cap. A padding
 row reads and writes the scratch's pad slot, has no committed context and no ancestors: it attends to
 itself only and touches no lane. A call's inputs travel host -> device as one int64 array
-(``LaneBatch``, column-major), its outputs stay in the graphs' memory pool (one for all: they replay one at a time
+(``LaneBatch``, column-major) through pinned memory (``upload``), its outputs stay in the graphs' memory pool (one for all: they replay one at a time
 on one stream) until the next replay.
 
 Without CUDA (CPU, CI) ``LaneGraphs`` runs the same padded calls eagerly, so the padding and the
@@ -73,6 +73,17 @@ class LaneBatch:
         """The batch column-major (``[columns, rows]``), as it goes to the device: every per-row
         field is then a contiguous vector (vLLM's kernels, rotary embedding for one, want that)."""
         return torch.from_numpy(np.ascontiguousarray(self.host.T))
+
+
+def upload(host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """CPU tensor ``host`` on ``device`` (into ``out`` if given) without stalling the host. CUDA synchronizes
+    the stream before a copy from pageable memory, so every lane call would wait for the one before it
+    and host and GPU would take turns; from pinned memory the copy is queued like a kernel and the host
+    packs the next call meanwhile. PyTorch's pinned-memory cache holds the buffer until its copy ran."""
+    src = host.pin_memory() if device.type == "cuda" else host
+    if out is None:
+        return src.to(device, non_blocking=True)
+    return out.copy_(src, non_blocking=True)
 
 
 def device_rows(packed: torch.Tensor, ancestors: int, context: int):
@@ -154,7 +165,7 @@ class LaneGraphs:
         key = (kind, rows, batch.context)
         if key not in self._graphs:
             self._graphs[key] = self._capture(kind, rows, batch.context)
-        self.packed[:, :rows].copy_(batch.columns())
+        upload(batch.columns(), self.packed.device, self.packed[:, :rows])
         graph, out = self._graphs[key]
         if graph is None:  # no CUDA: the same padded call, eagerly
             out = lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
@@ -169,7 +180,7 @@ class LaneGraphs:
         # Capture on padding rows only: the warm-up and the capture then run on the pad slot and
         # change no lane's state (the caller fills in the real rows afterwards).
         pad = LaneBatch.empty(rows, self.ancestors, self.table_width, self.scratch.pad_slot)
-        self.packed[:, :rows].copy_(LaneBatch(pad, self.ancestors, context, 0).columns())
+        upload(LaneBatch(pad, self.ancestors, context, 0).columns(), self.packed.device, self.packed[:, :rows])
 
         def body():
             return lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,

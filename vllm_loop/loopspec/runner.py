@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs
-from vllm_loop.loopspec.lane_graphs import LaneBatch, LaneGraphs, lane_call
+from vllm_loop.loopspec.lane_graphs import LaneBatch, LaneGraphs, lane_call, upload
 from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
@@ -45,6 +45,8 @@ from vllm_loop.loopspec.verify import CommitSource
 from vllm_loop.models.layers import bank_prefix
 
 logger = get_logger(__name__)
+
+LOCKSTEP = 16  # recurrent steps an engine step may take past its first commits (Ouro-1.4B, H200: ~40 ms)
 
 
 def triton_lane_attention(cuda: bool):
@@ -181,13 +183,15 @@ class LoopSpecRunner:
 
     def _more_steps(self, rows: list[_Row], steps: int) -> bool:
         """Every request must commit at least once per engine step (vLLM's contract). Past that, all
-        requests go on in lockstep for up to R recurrent steps (fewer scheduler round trips) until
-        one of them may commit no more (its cap: 1 + its scheduled drafts) or has finished."""
+        requests go on in lockstep (fewer scheduler round trips) until one of them may commit no more
+        (its cap: 1 + its scheduled drafts) or has finished, for at most max(R, LOCKSTEP) recurrent
+        steps in all, which bounds how long a new request waits to join (the cap alone would not:
+        at low acceptance a request commits a token only every R steps)."""
         if all(row.done for row in rows):
             return False
         if not all(row.tokens for row in rows):
             return True
-        return not any(row.done for row in rows) and steps < self.schedule.R
+        return not any(row.done for row in rows) and steps < max(self.schedule.R, LOCKSTEP)
 
     def after_standard_step(self, runner, scheduler_output, output) -> None:
         """After vLLM's own step: keep each request's lanes on the committed path (or start them),
@@ -377,7 +381,7 @@ class LoopSpecRunner:
                                    rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
             if shape is not None:
                 return self.graphs(kind, batch)
-            packed = batch.columns().to(self.scratch.kv.device)
+            packed = upload(batch.columns(), self.scratch.kv.device)
             return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel)
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
@@ -461,7 +465,7 @@ class LoopSpecRunner:
         index = np.empty((4, len(commits), nb), dtype=np.int64)
         index[0] = np.arange(nb)
         index[1:] = np.array([slots, blocks, offsets], dtype=np.int64)[:, :, None]
-        banks, slot_t, block_t, offset_t = torch.from_numpy(index.reshape(4, -1)).to(device)
+        banks, slot_t, block_t, offset_t = upload(torch.from_numpy(index.reshape(4, -1)), device)
         kv = self.scratch.kv[banks, slot_t]  # [m * banks, 2, H, D]
         self.paged.write(block_t, banks, offset_t, kv[:, 0], kv[:, 1])
         self._free([commit.lane for _, commit in commits])
