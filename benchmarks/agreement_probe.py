@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from loopspec_speed import SHAPES
+from loopspec_speed import SHAPES, make_shape_checkpoint
 from vllm_loop.reference import load_reference
-from vllm_loop.testing.checkpoints import make_checkpoint
 
 
 def main() -> None:
@@ -31,12 +30,15 @@ def main() -> None:
     ap.add_argument("--agreement", nargs="+", required=True)
     ap.add_argument("--tokens", type=int, default=96)
     args = ap.parse_args()
-    family, options, overrides, spec = SHAPES[args.shape]
+    spec = SHAPES[args.shape][3]
     d1, d2 = spec["d1"], spec["d2"]
-    tokens = torch.randint(0, overrides.get("vocab_size", 256), (args.tokens,), generator=torch.Generator().manual_seed(0))
+    tokens = None  # the same random text for every setting
     for agreement in args.agreement:
         folder = Path(tempfile.mkdtemp()) / args.shape
-        make_checkpoint(family, folder, options=options | {"agreement": agreement}, **overrides)
+        make_shape_checkpoint(args.shape, folder, agreement)
+        if tokens is None:
+            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+            tokens = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0))
         for dtype in (torch.bfloat16, torch.float32):
             ref = load_reference(folder, dtype=dtype)
             t0 = time.time()

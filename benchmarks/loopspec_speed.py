@@ -69,6 +69,15 @@ SYSTEMS = ("vanilla", "loopspec", "loopspec-auto", "loopspec-nographs", "loopspe
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
+def make_shape_checkpoint(shape: str, folder: Path, agreement: str) -> None:
+    """The factory checkpoint of ``SHAPES[shape]`` in ``folder``; ``agreement`` "0": random weights."""
+    from vllm_loop.testing.checkpoints import make_checkpoint
+
+    family, options, overrides, _ = SHAPES[shape]
+    make_checkpoint(family, folder, options=dict(options) | ({"agreement": agreement} if float(agreement) > 0 else {}),
+                    **overrides)
+
+
 def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None = None) -> list[dict]:
     """``synthetic``: 32 arbitrary token ids each; ``heldout``: lines of the held-out works (for a
     model trained on the corpus: ``benchmarks/train_looped.py``), tokenized."""
@@ -270,7 +279,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    family, options, overrides, spec = SHAPES[args.shape]
+    spec = SHAPES[args.shape][3]
     args.spec = args.spec or json.dumps(spec)
     if args.worker == "profile":
         profile(args)
@@ -283,12 +292,9 @@ def main() -> int:
         ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)}")
 
     if args.checkpoint is None:
-        from vllm_loop.testing.checkpoints import make_checkpoint
-
         folder = Path(tempfile.mkdtemp()) / args.shape
-        opts = dict(options) | ({"agreement": args.agreement} if float(args.agreement) > 0 else {})
         t0 = time.time()
-        make_checkpoint(family, folder, options=opts, **overrides)
+        make_shape_checkpoint(args.shape, folder, args.agreement)
         print(f"checkpoint {folder} written in {time.time() - t0:.0f} s", flush=True)
         args.checkpoint = str(folder)
     results, failed = {}, []

@@ -15,8 +15,8 @@ Fixed shapes: rows are padded to a power of two, the committed context to a powe
 ``MIN_CONTEXT``, at most what the block table reaches), ancestors to the request's lane cap. A padding
 row reads and writes the scratch's pad slot, has no committed context and no ancestors: it attends to
 itself only and touches no lane. A call's inputs travel host -> device as one int64 array
-(``LaneBatch``, column-major) through pinned memory (``upload``), its outputs stay in the graphs' memory pool (one for all: they replay one at a time
-on one stream) until the next replay.
+(``LaneBatch``, column-major) through pinned memory (``upload``), its outputs stay in the graphs'
+memory pool (one for all: they replay one at a time on one stream) until the next replay.
 
 Without CUDA (CPU, CI) ``LaneGraphs`` runs the same padded calls eagerly, so the padding and the
 buffers are tested everywhere and only the capture needs a GPU.
@@ -76,8 +76,8 @@ class LaneBatch:
 
 
 def upload(host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """CPU tensor ``host`` on ``device`` (into ``out`` if given) without stalling the host. CUDA synchronizes
-    the stream before a copy from pageable memory, so every lane call would wait for the one before it
+    """CPU tensor ``host`` on ``device`` (into ``out`` if given) without stalling the host. CUDA
+    synchronizes the stream before a copy from pageable memory, so every lane call would wait for the one before it
     and host and GPU would take turns; from pinned memory the copy is queued like a kernel and the host
     packs the next call meanwhile. PyTorch's pinned-memory cache holds the buffer until its copy ran."""
     src = host.pin_memory() if device.type == "cuda" else host
