@@ -5,6 +5,8 @@ one, so proposals get accepted; 0 = random weights), one engine per system, each
 subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
+* ``vanilla-sync`` -- the same with ``async_scheduling=False`` (how a LoopSpec engine schedules: it
+  shows what vLLM's asynchronous scheduling alone is worth);
 * ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on,
   the defaults otherwise (on a GPU: lane calls replayed from CUDA graphs, the Triton lane attention,
   vLLM's fused custom ops, vLLM's C RMSNorm in the lane calls);
@@ -64,7 +66,7 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
     "tiny-raven": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 32},
                    {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
 }
-SYSTEMS = ("vanilla", "loopspec", "loopspec-auto", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
+SYSTEMS = ("vanilla", "vanilla-sync", "loopspec", "loopspec-auto", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
            "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
@@ -103,6 +105,8 @@ def _start(args, system: str, max_num_seqs: int):
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
+    if system == "vanilla-sync":
+        kw["async_scheduling"] = False
     if system.startswith("loopspec"):
         spec = json.loads(args.spec)
         spec["lanes"] = "auto" if system == "loopspec-auto" else "on"
