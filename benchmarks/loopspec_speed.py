@@ -22,12 +22,13 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
-For each concurrency c: c requests with 32-token prompts, greedy, ``ignore_eos``; the decode rate is
+For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
+``--top-k``), ``ignore_eos``; the decode rate is
 c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
 ``--runs``. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
 commits per R recurrent steps), the commit shares and the lanes per recurrent step. Every ratio is
 taken against ``vanilla`` from the same run. Writes the JSON and, beside it, a PNG (tok/s vs
-concurrency, one line per system). ``--profile``: one more LoopSpec engine (lanes on, in-process)
+concurrency, one line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine (lanes on, in-process)
 decodes one request under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
 
     python benchmarks/loopspec_speed.py --shape ouro-1.4b --concurrency 1 4 \\
@@ -144,7 +145,8 @@ def worker(args) -> dict:
         from vllm_loop.loopspec.stat_logger import engine_totals
 
     def run(n: int, out_len: int) -> tuple[float, list[list[int]]]:
-        sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0, detokenize=False)
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True, detokenize=False, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
         t = time.perf_counter()
         outs = llm.generate(_prompts(n, cfg["vocab_size"], args.prompts, args.checkpoint), sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -281,6 +283,9 @@ def main() -> int:
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="heldout: held-out corpus lines (for trained checkpoints)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0: off")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (vLLM's "
                     "forward and the lane calls eager: saves compile time at start-up)")
@@ -311,11 +316,16 @@ def main() -> int:
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
-               "--eager", args.eager, "--prompts", args.prompts, "--concurrency", *map(str, args.concurrency)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+               "--eager", args.eager, "--prompts", args.prompts, "--temperature", str(args.temperature),
+               "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)]
+        # the engine's log goes to a file beside --out as it runs: a run cut short still shows how far it got
+        log = Path(args.out).with_suffix(f".{system}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as err:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:  # keep the other systems' numbers; report this one
-            print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+            print(proc.stdout[-3000:], log.read_text()[-6000:], file=sys.stderr)
             print(f"{system}: the benchmark worker failed (exit {proc.returncode})", file=sys.stderr, flush=True)
             failed.append(system)
             continue
@@ -344,6 +354,7 @@ def main() -> int:
             r.pop("tokens")
     out = {"shape": args.shape, "checkpoint": args.checkpoint, "prompts": args.prompts,
            "agreement": float(args.agreement), "spec": json.loads(args.spec),
+           "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
            "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
            "systems": results, "failed": failed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -213,6 +213,44 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
           f"to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
 
 
+def test_loopspec_sampling_distribution_compiled(ckpt_factory):
+    """fp32, compiled, with the CUDA defaults (lane graphs, the Triton lane attention): seeded top-k
+    and top-p samples of LoopSpec's first tokens follow the exact distribution of ordinary sampling
+    (the reference model's, enumerated), every branch of the cascade ran, nothing leaks. Here the
+    readouts' top-k / top-p filter runs on the GPU (``pipeline.readout_values``)."""
+    from test_loopspec_engine import ALPHA, N_TOKENS, PROMPT, SAMPLING_CASES, _samples
+
+    from vllm_loop.loopspec.metrics import EngineCounters
+    from vllm_loop.loopspec.proposals import SamplingParams as LaneParams
+    from vllm_loop.loopspec.stat_logger import engine_totals
+    from vllm_loop.reference import load_reference
+    from vllm_loop.testing.distribution import chi2_gof, exact_tree
+    from vllm_loop.testing.engines import lane_census
+
+    path = ckpt_factory("ouro", options={"agreement": "0.1"})
+    spec = {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}
+    counts, steps = {}, {}
+    with worker_functions():  # collective_rpc(lane_census) below
+        llm = start_llm(path, speculative_config=spec, max_model_len=128, block_size=16, max_num_seqs=64)
+        try:
+            for name, (params, n) in SAMPLING_CASES.items():
+                before = engine_totals() or EngineCounters()
+                counts[name] = _samples(llm, params, n)
+                steps[name] = engine_totals().minus(before)
+            census = llm.collective_rpc(lane_census)[0]
+        finally:
+            stop_llm(llm)
+    ref = load_reference(path)
+    for name, (params, n) in SAMPLING_CASES.items():
+        exact = exact_tree(ref, PROMPT, LaneParams(**params), N_TOKENS)[0]
+        p = chi2_gof(counts[name], exact, n)
+        assert p > ALPHA, (name, p)
+        assert steps[name].first > 0 and steps[name].second > 0 and steps[name].full > 0, vars(steps[name])
+        print(f"GPU LoopSpec sampling {name}: {n} seeded samples, chi-square p = {p:.3f} against the exact "
+              f"distribution; {steps[name].log_line(4)}")
+    assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, D", [((16, 16), 128), ((8, 2), 64), ((4, 4), 96)], ids=["ouro", "gqa", "huginn-d96"])
 def test_triton_lane_attention_on_gpu(dtype, heads, D):

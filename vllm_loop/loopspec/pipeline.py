@@ -45,10 +45,13 @@ from vllm_loop.loopspec.verify import (
 
 
 def readout_values(logits: torch.Tensor, params: SamplingParams) -> list:
-    """What a lane keeps from its readout: the argmax (greedy) or the filtered distribution."""
+    """What a lane keeps from its readout: the argmax (greedy) or the filtered distribution, on the
+    host. Both are computed where the logits are (in an engine: the GPU, where top-k / top-p sort
+    the vocabulary far faster than the host), so only the argmax, or the filtered rows in one copy,
+    cross to the host."""
     if params.greedy:
         return logits.argmax(-1).tolist()
-    return list(filter_probs(logits, params))
+    return list(filter_probs(logits, params).cpu())
 
 
 @dataclass

@@ -413,7 +413,7 @@ class LoopSpecRunner:
                         argmax = logits.argmax(-1).tolist() if argmax is None else argmax
                         values = [argmax[i] for i in idx]
                     else:
-                        values = readout_values(logits[idx].float().cpu(), params)
+                        values = readout_values(logits[idx], params)
                     for i, value in zip(idx, values):
                         row, lane = readers[i]
                         read[id(row)][lane.id] = value
