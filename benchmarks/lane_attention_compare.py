@@ -30,18 +30,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loopspec_speed import SHAPES  # noqa: E402  (the benchmark shapes' configs: one home)
 from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks  # noqa: E402
 
-# (name, query heads, KV heads, head dim, banks = T x L (Ouro) / R x core layers + prelude + coda (Huginn))
-SHAPES = {"ouro-1.4b": (16, 16, 128, 4 * 24), "huginn-0125": (55, 55, 96, 32 * 4 + 4)}
 BLOCK = 16  # vLLM's GPU block size
+
+
+def attention_shape(shape: str) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, head dim, KV banks) of a benchmark shape: banks = T x layers (Ouro),
+    R x core layers + prelude + coda (Huginn)."""
+    family, _, c, _ = SHAPES[shape]
+    if family == "ouro":
+        return (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                c["total_ut_steps"] * c["num_hidden_layers"])
+    return (c["n_heads"], c["n_heads"], c["n_embd"] // c["n_heads"],
+            c["mean_recurrence"] * c["n_layers_in_recurrent_block"] + c["n_layers_in_prelude"] + c["n_layers_in_coda"])
 
 
 def make_case(shape: str, requests: int, lanes: int, prefix: int, window: int, seed: int = 0, dev: str = "cuda"):
     """``requests`` requests with ``prefix`` committed positions at every bank, ``lanes`` lane rows
     each at random banks, up to ``window`` ancestors each in the lane pool. -> (paged, scratch, rows,
     banks, q, k, v)."""
-    Hq, H, D, S = SHAPES[shape]
+    Hq, H, D, S = attention_shape(shape)
     dt = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(seed)
     per_req = math.ceil(prefix / BLOCK)
@@ -76,8 +86,7 @@ class FlashLaneAttention:
                  fa_layout: bool = False):
         """``fa_layout``: read a copy of the cache in FlashAttention's own page layout ``[pages, B, H,
         D]`` contiguous (what it would cost if the packed layout were FA's), instead of in place."""
-        nb, S, H, B, _ = paged.pages.shape
-        D = paged.head_dim
+        S = paged.pages.shape[1]
         # [blocks, pages, H, B, D] -> [blocks * pages, B, H, D]: one FA page per (block, bank)
         self.k_cache = paged.k.flatten(0, 1).transpose(1, 2)
         self.v_cache = paged.v.flatten(0, 1).transpose(1, 2)
@@ -90,7 +99,7 @@ class FlashLaneAttention:
         self.max_k = int(rows.context)
         own = torch.cat([rows.ancestors, rows.slots[:, None]], dim=1)
         self.window, self.window_mask = own.clamp_min(0), own >= 0
-        self.scratch, self.rows, self.banks, self.D = scratch, rows, banks, D
+        self.scratch, self.rows, self.banks = scratch, rows, banks
 
     def __call__(self, q, k, v, scale):
         from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
