@@ -5,8 +5,8 @@ one, so proposals get accepted; 0 = random weights), one engine per system, each
 subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
-* ``vanilla-sync`` -- the same with ``async_scheduling=False`` (how a LoopSpec engine schedules: it
-  shows what vLLM's asynchronous scheduling alone is worth);
+* ``vanilla-sync`` -- the same with ``async_scheduling=False`` (it shows what vLLM's asynchronous
+  scheduling alone is worth);
 * ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on,
   the defaults otherwise (on a GPU: lane calls replayed from CUDA graphs, the Triton lane attention,
   vLLM's fused custom ops, vLLM's C RMSNorm in the lane calls);
@@ -19,7 +19,10 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``loopspec-triton`` / ``loopspec-fused`` / ``loopspec-triton-fused`` -- lanes on with the Triton
   lane attention / ``custom_ops = ["all"]`` / both named explicitly (the defaults on CUDA since
   2026-12-01; before, the PyTorch attention and vLLM's ``custom_ops`` were);
-* ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding);
+* ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding;
+  on a GPU with async scheduling: plain steps pipelined, lanes-mode steps as barriers);
+* ``loopspec-auto-sync`` -- the same with ``async_scheduling=False`` (how every LoopSpec engine
+  scheduled before 2026-12-01);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
@@ -71,7 +74,7 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 # (issue 10's condition): 0.005 gave Ouro-1.4B only ~78 % in bf16; 0.001 gave 96.9 %
 # (benchmarks/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
-SYSTEMS = ("vanilla", "vanilla-sync", "loopspec", "loopspec-auto", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
+SYSTEMS = ("vanilla", "vanilla-sync", "loopspec", "loopspec-auto", "loopspec-auto-sync", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
            "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
@@ -110,11 +113,11 @@ def _start(args, system: str, max_num_seqs: int):
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
-    if system == "vanilla-sync":
+    if system.endswith("-sync"):
         kw["async_scheduling"] = False
     if system.startswith("loopspec"):
         spec = json.loads(args.spec)
-        spec["lanes"] = "auto" if system == "loopspec-auto" else "on"
+        spec["lanes"] = "auto" if system.startswith("loopspec-auto") else "on"
         kw["speculative_config"] = spec
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
@@ -171,7 +174,8 @@ def worker(args) -> dict:
         rows.append(row)
     return {"system": args.worker, "startup_s": round(startup, 1), "rows": rows,
             "model_module": llm.llm_engine.vllm_config.model_config.architecture,
-            "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu"}
+            "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu",
+            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
 
 
 def _core_weight_bytes(worker) -> int:

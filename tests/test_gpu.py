@@ -213,6 +213,106 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
           f"to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
 
 
+ASYNC_CASES = [  # (checkpoint of LOOPSPEC, lanes pattern: None = lanes "on" with --async-scheduling)
+    ("ouro-agree-1:2", None), ("ouro-agree-1:2", "LLLPPPPP"), ("ouro-1:2", "PPPPPPPL"),
+    ("raven-olmo2-R32-2:8", None), ("raven-olmo2-R32-2:8", "LLPPP")]
+
+
+def _async_facts(worker) -> dict:
+    runner = worker.model_runner
+    return {"runner_async": runner.use_async_scheduling, "census": runner.drafter.lane_census(),
+            "captured": -1 if runner.drafter.graphs is None else runner.drafter.graphs.captured}
+
+
+@pytest.mark.parametrize("name, pattern", ASYNC_CASES, ids=[f"{n}-{p or 'lanes-on'}" for n, p in ASYNC_CASES])
+def test_loopspec_async_greedy_identity_compiled(ckpt_factory, name, pattern):
+    """fp32, compiled, CUDA defaults (lane graphs, Triton lane attention), async scheduling in a
+    multiprocess engine: vLLM's async runner for plain steps, lanes-mode steps as barriers with its
+    async state reset after them. Lanes on every step, or the policy forced through every transition
+    (``VLLM_LOOP_LANES_PATTERN``): 16 staggered requests identical to the reference, plain steps
+    pipelined, nothing leaked."""
+    from vllm_loop.loopspec.policy import PATTERN_ENV
+    from vllm_loop.loopspec.stat_logger import engine_totals
+    from vllm_loop.reference import load_reference
+    from vllm_loop.testing.engines import greedy_jobs, run_jobs
+
+    family, options, overrides, spec = LOOPSPEC[name]
+    spec = spec | ({"lanes": "auto"} if pattern else {})
+    path = ckpt_factory(family, options=options, **overrides)
+    if pattern:
+        os.environ[PATTERN_ENV] = pattern  # read by the engine-core process
+    try:
+        with worker_functions():
+            llm = start_llm(path, speculative_config=spec, max_model_len=128, block_size=16,
+                            **({} if pattern else {"async_scheduling": True}))
+            try:
+                config = llm.llm_engine.vllm_config.scheduler_config
+                assert config.async_scheduling and config.scheduler_cls.endswith("LoopSpecAsyncScheduler")
+                got = run_jobs(llm, greedy_jobs())
+                facts = llm.collective_rpc(_async_facts)[0]
+            finally:
+                stop_llm(llm)
+    finally:
+        os.environ.pop(PATTERN_ENV, None)
+    ref = load_reference(path)
+    for job in greedy_jobs():
+        assert got[job.request_id] == ref.greedy_generate(job.prompt, job.params.max_tokens), job.request_id
+    totals = engine_totals()
+    census = facts["census"]
+    assert facts["runner_async"] and census["lanes"] == 0 and census["free_slots"] == census["slots"], facts
+    assert totals.lane_steps > 0 and facts["captured"] > 0
+    assert (totals.pipelined_steps > 0) is (pattern is not None)
+    print(f"GPU async LoopSpec {name} {pattern or 'lanes on'}: 16 staggered requests identical to the reference; "
+          f"{totals.plain_steps} plain steps ({totals.pipelined_steps} pipelined), {totals.drains} drains; "
+          f"{totals.log_line(overrides.get('mean_recurrence', 4))}")
+
+
+def test_loopspec_async_mixed_rows_compiled(ckpt_factory):
+    """Async scheduling, forced transitions: requests the lanes cannot serve (logprobs, penalties,
+    min_tokens, allowed tokens, seeded sampling with bad words) next to lane requests give what vanilla
+    vLLM (async) gives; their -1 placeholders are repaired through the barrier steps."""
+    from vllm import SamplingParams
+
+    from vllm_loop.loopspec.policy import PATTERN_ENV
+
+    path = ckpt_factory("ouro", options={"agreement": "0.005"})
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    special = [
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12),
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=list(range(50, 90))),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=1, bad_words=["x"]),
+    ]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    batch = [(p, sp) for sp in special for p in prompts] + [(p, plain) for p in prompts]
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    vanilla = start_llm(path, max_model_len=128, block_size=16)
+    try:
+        assert vanilla.llm_engine.vllm_config.scheduler_config.async_scheduling
+        want = run(vanilla)
+    finally:
+        stop_llm(vanilla)
+    os.environ[PATTERN_ENV] = "LLPPPLP"
+    try:
+        llm = start_llm(path, speculative_config={"method": "loopspec", "d1": 1, "d2": 2}, max_model_len=128,
+                        block_size=16)
+        try:
+            assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+            got = run(llm)
+        finally:
+            stop_llm(llm)
+    finally:
+        os.environ.pop(PATTERN_ENV, None)
+    assert got == want
+    print(f"GPU async LoopSpec: {len(batch)} mixed requests (lanes and vLLM's path) identical to vanilla async")
+
+
 def test_loopspec_sampling_distribution_compiled(ckpt_factory):
     """fp32, compiled, with the CUDA defaults (lane graphs, the Triton lane attention): seeded top-k
     and top-p samples of LoopSpec's first tokens follow the exact distribution of ordinary sampling

@@ -48,7 +48,7 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert spec.num_speculative_tokens == 4  # ceil(R / d1)
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto"}
+                                                  "lane_attention": "auto", "async": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -59,7 +59,7 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto"}
+                                                  "lane_attention": "auto", "async": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
@@ -127,12 +127,42 @@ def test_loopspec_needs_a_looped_model(ckpt_factory):
         _config(ckpt_factory("llama"), {"method": "loopspec"})
 
 
-def test_loopspec_refuses_early_exit_and_async_scheduling(ckpt_factory):
-    path = ckpt_factory("ouro")
+def test_loopspec_refuses_early_exit(ckpt_factory):
     with pytest.raises(ValueError, match="verifies every token at full depth R"):
-        _config(path, {"method": "loopspec"}, hf_overrides={"early_exit_threshold": 0.5})
-    with pytest.raises(ValueError, match="synchronous scheduling: remove --async-scheduling"):
+        _config(ckpt_factory("ouro"), {"method": "loopspec"}, hf_overrides={"early_exit_threshold": 0.5})
+
+
+def test_async_scheduling_flag_becomes_a_knob(ckpt_factory):
+    """vLLM refuses async scheduling for custom_class: the front door validates synchronously and keeps
+    the user's flag; on this CPU the engine stays synchronous, as vLLM's CPU platform does."""
+    path = ckpt_factory("ouro")
+    for flag, knob in ((True, "on"), (False, "off"), (None, "auto")):
+        cfg = _config(path, {"method": "loopspec"}, async_scheduling=flag)
+        assert cfg.additional_config["loopspec"]["async"] == knob
+        assert cfg.scheduler_config.async_scheduling is False
+        assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
+
+
+def test_async_scheduling_where_supported(ckpt_factory, monkeypatch):
+    """Where async scheduling is possible (a CUDA device, the mp / uni executor, no PP / DP; the check
+    is patched out on this CPU) a LoopSpec engine schedules asynchronously with the barrier scheduler:
+    by default with the lanes policy "auto", and with lanes "on" only when asked for; never with
+    --no-async-scheduling. Where it is not, an explicit --async-scheduling is refused, naming why."""
+    from vllm_loop import vllm_patches
+
+    path = ckpt_factory("ouro")
+    monkeypatch.setattr(vllm_patches, "async_blocker", lambda cfg: None)
+    cases = [({}, None, True), ({"lanes": "on"}, None, False), ({"lanes": "on"}, True, True), ({}, False, False)]
+    for extra, flag, on in cases:
+        cfg = _config(path, {"method": "loopspec"} | extra, async_scheduling=flag)
+        assert cfg.scheduler_config.async_scheduling is on, (extra, flag)
+        assert cfg.scheduler_config.scheduler_cls.endswith("LoopSpecAsyncScheduler" if on else "LoopSpecScheduler")
+        assert cfg.model_config.disable_cascade_attn or not on
+    monkeypatch.setattr(vllm_patches, "async_blocker", lambda cfg: "the RayDistributedExecutor does not support it")
+    monkeypatch.setattr("vllm.platforms.current_platform.is_cuda", lambda: True)
+    with pytest.raises(ValueError, match="--async-scheduling with speculative_config .loopspec.: the Ray"):
         _config(path, {"method": "loopspec"}, async_scheduling=True)
+    assert _config(path, {"method": "loopspec"}).scheduler_config.async_scheduling is False  # auto: quietly sync
 
 
 @pytest.mark.engine

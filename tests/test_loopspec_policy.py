@@ -60,3 +60,31 @@ def test_on_always_runs_lanes_and_bad_modes_are_refused():
     assert _run(policy, rows=4, steps=20, speed={True: 1.0, False: 1000.0}) == [True] * 20
     with pytest.raises(ValueError, match="lanes='off': allowed values: auto, on"):
         LanePolicy("off")
+
+
+def test_a_pattern_fixes_the_decisions_for_tests():
+    policy = LanePolicy("auto", pattern="LLP")
+    assert _run(policy, rows=4, steps=7, speed={True: 1.0, False: 1000.0}) == [True, True, False] * 2 + [True]
+    with pytest.raises(ValueError, match="VLLM_LOOP_LANES_PATTERN='LX': a non-empty string of L"):
+        LanePolicy("auto", pattern="LX")
+
+
+def test_steps_that_say_nothing_about_a_mode_give_no_sample():
+    """A lane step that captured a lane CUDA graph, and the last step of a pipelined run (no time
+    given), are not throughput samples; an ordinary lane or plain decode step is."""
+    from types import SimpleNamespace
+
+    from vllm_loop.loopspec.metrics import EngineCounters
+    from vllm_loop.loopspec.scheduler import step_sample
+
+    def so(lanes: bool):
+        return SimpleNamespace(loopspec_lanes=lanes, num_scheduled_tokens={"a": 1, "b": 1}, scheduled_new_reqs=[],
+                               scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
+                               scheduled_spec_decode_tokens={})
+
+    out = SimpleNamespace(sampled_token_ids=[[1, 2], [3]])
+    lane_step = EngineCounters(lane_steps=1)
+    assert step_sample(so(True), out, lane_step, 0.01) == StepSample(lanes=True, rows=2, tokens=3, seconds=0.01)
+    assert step_sample(so(True), out, EngineCounters(lane_steps=1, graph_captures=2), 0.01) is None
+    assert step_sample(so(False), SimpleNamespace(sampled_token_ids=[[1], [3]]), None, 0.01).tokens == 2
+    assert step_sample(so(False), out, None, None) is None

@@ -295,6 +295,7 @@ def install_latent_outputs() -> None:
 
 def install_loopspec() -> None:
     install_loopspec_front_door()
+    install_loopspec_async()
     install_loopspec_packed_kv()
     install_loopspec_runner()
     install_loopspec_decode_graphs()
@@ -304,7 +305,7 @@ def install_loopspec_front_door() -> None:
     """``{"method": "loopspec", ...}`` is not a method vLLM's ``SpeculativeConfig`` accepts (a
     validated Literal, unknown keys forbidden): translate it where ``EngineArgs`` builds that
     config (process 0, before validation) into vLLM's ``custom_class`` method plus our knobs in
-    ``additional_config``, our scheduler and synchronous scheduling (``loopspec/config.py``)."""
+    ``additional_config``, and our scheduler (``loopspec/config.py``)."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_speculative_config
@@ -321,12 +322,12 @@ def install_loopspec_front_door() -> None:
 
         if loopspec_config.is_loopspec(self.speculative_config):
             spec, knobs = loopspec_config.translate(self.speculative_config, target_model_config)
-            if self.async_scheduling:
-                raise ValueError("speculative_config (loopspec) runs with synchronous scheduling: "
-                                 "remove --async-scheduling")
             if self.scheduler_cls not in (None, loopspec_config.SCHEDULER):
                 raise ValueError(f"speculative_config (loopspec) needs its own scheduler; --scheduler-cls "
                                  f"{self.scheduler_cls!r} cannot be combined with it")
+            # vLLM refuses async scheduling for custom_class drafters: validate synchronous, and let
+            # install_loopspec_async turn it on once the config is built (the user's flag is a knob)
+            knobs["async"] = {None: "auto", True: "on", False: "off"}[self.async_scheduling]
             self.speculative_config = spec
             self.additional_config = {**(self.additional_config or {}), "loopspec": knobs}
             self.scheduler_cls = loopspec_config.SCHEDULER
@@ -339,6 +340,120 @@ def install_loopspec_front_door() -> None:
 
     create_speculative_config._vllm_loop = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def async_blocker(vllm_config) -> str | None:
+    """Why this LoopSpec deployment cannot schedule asynchronously, or None when it can."""
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.abstract import Executor
+
+    parallel = vllm_config.parallel_config
+    if not current_platform.is_cuda():
+        return "it needs a CUDA device"
+    if vllm_config.use_v2_model_runner:
+        return "vLLM's V2 model runner is not supported"
+    if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+        return "it needs pipeline_parallel_size 1 and data_parallel_size 1"
+    if vllm_config.kv_transfer_config is not None or vllm_config.ec_transfer_config is not None:
+        return "KV / encoder-cache transfer is not supported"
+    executor = Executor.get_class(vllm_config)
+    if not executor.supports_async_scheduling():
+        return f"the {executor.__name__} does not support it (use the mp or uni executor)"
+    return None
+
+
+def install_loopspec_async() -> None:
+    """Async scheduling for LoopSpec engines (vLLM 0.26 turns it off for ``custom_class`` drafters,
+    whose drafts it cannot keep on the GPU). Plain steps then pipeline as in vanilla vLLM -- a
+    synchronous engine decodes at 0.75-0.81x of an async one on the H200 (benchmarks/RESULTS.md) --
+    and lanes-mode steps run as barriers (``LoopSpecAsyncScheduler``, ``install_loopspec_runner``).
+
+    The flag is flipped after ``EngineArgs.create_engine_config``, through which every entry point
+    (``LLM``, ``vllm serve``, ``AsyncLLM``) builds the config that is then shipped to the engine core
+    and the workers as it is. ``--async-scheduling`` (knob "on") asks for it, ``--no-async-scheduling``
+    ("off") refuses it; by default ("auto") it is on where the lanes policy is "auto" (with
+    ``lanes: "on"`` every step is a barrier, and async would only add its bookkeeping)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vllm_loop.loopspec.config import ASYNC_SCHEDULER, knobs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        k = knobs(config)
+        if k is None or k.get("async", "auto") == "off" or (k.get("async", "auto") == "auto" and k["lanes"] != "auto"):
+            return config
+        reason = async_blocker(config)
+        if reason is not None:
+            if k["async"] == "on" and current_platform.is_cuda():  # elsewhere vLLM itself drops the flag
+                raise ValueError(f"--async-scheduling with speculative_config (loopspec): {reason}; "
+                                 "allowed: --no-async-scheduling")
+            return config
+        config.scheduler_config.async_scheduling = True
+        config.scheduler_config.scheduler_cls = ASYNC_SCHEDULER
+        config.model_config.disable_cascade_attn = True  # as vLLM does for async + spec decoding
+        config.parallel_config.disable_nccl_for_dp_synchronization = True
+        logger.info("LoopSpec: async scheduling on (plain steps pipelined, lanes-mode steps as barriers)")
+        return config
+
+    create_engine_config._vllm_loop = True
+    EngineArgs.create_engine_config = create_engine_config
+    _revalidate_synchronously()
+    _no_idle_sleep_after_barriers()
+
+
+def _revalidate_synchronously() -> None:
+    """The engine-core process runs ``VllmConfig.__post_init__`` again after its handshake
+    (``EngineCoreProc._perform_handshakes``), which would refuse the flipped flag for custom_class:
+    validate with the flag off there too, and put it back."""
+    from vllm.config import VllmConfig
+
+    from vllm_loop.loopspec.config import ASYNC_SCHEDULER
+
+    original = VllmConfig.__post_init__
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def post_init(self, *args, **kwargs):
+        scheduler = self.scheduler_config
+        flipped = scheduler is not None and scheduler.async_scheduling and scheduler.scheduler_cls == ASYNC_SCHEDULER
+        if flipped:
+            scheduler.async_scheduling = False
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if flipped:
+                scheduler.async_scheduling = True
+
+    post_init._vllm_loop = True
+    VllmConfig.__post_init__ = post_init
+
+
+def _no_idle_sleep_after_barriers() -> None:
+    """``EngineCoreProc._process_engine_step`` sleeps 1 ms after a step that executed nothing while
+    requests remain (for KV-transfer threads). Under ``LoopSpecAsyncScheduler`` every lanes-mode step
+    is such a step -- the scheduler holds while the barrier runs, and the engine only collects it --
+    which cost ~8 % of a lane step at concurrency 1. Report those collecting steps as executed (the flag
+    only feeds that sleep, the DP dummy batch and, in sync engines only, ``post_step``)."""
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.step_with_batch_queue
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def step_with_batch_queue(self):
+        if not hasattr(self.scheduler, "held_for_barrier"):
+            return original(self)
+        self.scheduler.held_for_barrier = False
+        outputs, executed = original(self)
+        return outputs, executed or self.scheduler.held_for_barrier
+
+    step_with_batch_queue._vllm_loop = True
+    EngineCore.step_with_batch_queue = step_with_batch_queue
 
 
 def _fused_ops_for_lanes(compilation_config) -> None:
@@ -382,9 +497,20 @@ def _loopspec_runner(runner):
 
 def install_loopspec_runner() -> None:
     """Decode steps of LoopSpec requests run lanes (``loopspec/runner.py``) instead of vLLM's
-    forward: ``execute_model`` may return the step's output itself (the engine then skips
-    ``sample_tokens``); after vLLM's own steps the lanes follow the committed tokens."""
+    forward. A lane step's output comes back from ``sample_tokens``, which the engine core calls
+    whenever ``execute_model`` returned None (``EngineCore.step``; always under the batch queue of
+    async scheduling, which ignores what ``execute_model`` returns). After vLLM's own steps the lanes
+    follow the committed tokens.
+
+    Under async scheduling (``install_loopspec_async``) vLLM's runner leaves each step's sampled
+    tokens on the GPU for the next step's inputs. Its plain steps keep that (they pipeline). A
+    lanes-mode step is a barrier: a lane step never samples through vLLM, and a lanes-mode step on
+    vLLM's path runs vLLM's *synchronous* sampling (``use_async_scheduling`` off for that call: vLLM's
+    async bookkeeping takes one token per row, and the lanes need the real tokens on the host to
+    follow them); either way vLLM's async carry-over is then reset (``runner.reset_async_carry``)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_loop.loopspec.runner import reset_async_carry
 
     execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
     if getattr(sample_tokens, "_vllm_loop", False):
@@ -395,22 +521,43 @@ def install_loopspec_runner() -> None:
         if lanes is None:
             return execute_model(self, scheduler_output, *args, **kwargs)
         out = lanes.execute_model(self, scheduler_output)
-        if out is not None:
+        if out is not None:  # a lane step: handed back by sample_tokens, next
             out.loopspec = lanes.take_counters()
-            return out
+            self._vllm_loop_lane_output = out
+            return None
         out = execute_model(self, scheduler_output, *args, **kwargs)
         # None: vLLM samples in sample_tokens next, where the lanes follow its tokens
         self._vllm_loop_scheduled = scheduler_output if out is None else None
         return out
 
     def sample_tokens_hook(self, grammar_output):
-        out = sample_tokens(self, grammar_output)
         lanes = _loopspec_runner(self)
-        scheduled = getattr(self, "_vllm_loop_scheduled", None)
-        if lanes is not None and scheduled is not None:
-            self._vllm_loop_scheduled = None
-            lanes.after_standard_step(self, scheduled, out)
-            out.loopspec = lanes.take_counters()
+        if lanes is None:
+            return sample_tokens(self, grammar_output)
+        out = getattr(self, "_vllm_loop_lane_output", None)
+        if out is not None:
+            self._vllm_loop_lane_output = None
+            if self.use_async_scheduling:
+                reset_async_carry(self)
+            return out
+        scheduled, self._vllm_loop_scheduled = getattr(self, "_vllm_loop_scheduled", None), None
+        if scheduled is None:
+            return sample_tokens(self, grammar_output)
+        if self.use_async_scheduling and not getattr(scheduled, "loopspec_lanes", True):
+            out = sample_tokens(self, grammar_output)  # a pipelined plain step (AsyncGPUModelRunnerOutput)
+            lanes.plain_step(scheduled.num_scheduled_tokens)
+            getattr(out, "_model_runner_output", out).loopspec = lanes.take_counters()
+            return out
+        barrier = self.use_async_scheduling
+        self.use_async_scheduling = False
+        try:
+            out = sample_tokens(self, grammar_output)
+        finally:
+            self.use_async_scheduling = barrier
+        lanes.after_standard_step(self, scheduled, out)
+        out.loopspec = lanes.take_counters()
+        if barrier:
+            reset_async_carry(self)
         return out
 
     for hook in (execute_model_hook, sample_tokens_hook):

@@ -40,6 +40,7 @@ LANE_ATTENTION = ("auto", "torch", "triton")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
+ASYNC_SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecAsyncScheduler"
 
 # Looped architectures -> (family, the config field holding the loop count R).
 LOOPED = {"OuroForCausalLM": ("ouro", "total_ut_steps"), "RavenForCausalLM": ("raven", "mean_recurrence")}

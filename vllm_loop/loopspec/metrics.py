@@ -198,6 +198,11 @@ class EngineCounters:
     chain_rows: int = 0  # requests whose lane chain was verified there
     chain_drafts: int = 0  # lane-chain tokens verified there as drafts
     chain_accepted: int = 0
+    # async scheduling (scheduler-side): steps scheduled while another was in flight, and lanes-mode
+    # steps that first waited for the steps in flight to finish (a barrier)
+    pipelined_steps: int = 0
+    drains: int = 0
+    graph_captures: int = 0  # lane CUDA graphs captured during steps (their first call of a shape bucket)
 
     def add(self, other: EngineCounters) -> None:
         for name in self.__dataclass_fields__:

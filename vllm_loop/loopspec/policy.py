@@ -19,6 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LANES_MODES = ("auto", "on")
+# Tests only: a fixed cycle of decisions ("LLPPP": two lane steps, three plain, repeated) instead of
+# measured ones, so that a test can force every transition. An environment variable because the
+# policy lives in the engine-core process; it is not part of vLLM's compile hash.
+PATTERN_ENV = "VLLM_LOOP_LANES_PATTERN"
 
 
 @dataclass
@@ -47,14 +51,21 @@ def bucket_of(rows: int) -> int:
 
 
 class LanePolicy:
-    def __init__(self, mode: str = "auto", trial: int = 4, recheck: int = 256, smoothing: float = 0.3):
+    def __init__(self, mode: str = "auto", trial: int = 4, recheck: int = 256, smoothing: float = 0.3,
+                 pattern: str | None = None):
         if mode not in LANES_MODES:
             raise ValueError(f"lanes={mode!r}: allowed values: {', '.join(LANES_MODES)}")
+        if pattern is not None and (not pattern or set(pattern) - {"L", "P"}):
+            raise ValueError(f"{PATTERN_ENV}={pattern!r}: a non-empty string of L (lanes) and P (plain)")
         self.mode, self.trial, self.recheck, self.smoothing = mode, trial, recheck, smoothing
         self.buckets: dict[int, _Bucket] = {}
+        self.pattern, self.decisions = pattern, 0
 
     def lanes(self, rows: int) -> bool:
         """Run the next engine step, with ``rows`` running requests, on lanes?"""
+        if self.pattern:
+            self.decisions += 1
+            return self.pattern[(self.decisions - 1) % len(self.pattern)] == "L"
         if self.mode == "on":
             return True
         b = self.buckets.setdefault(bucket_of(rows), _Bucket())

@@ -167,6 +167,7 @@ class LoopSpecRunner:
         runner._update_states(scheduler_output)
         self._ensure_storage(runner)
         before = self._pipeline_stats()
+        captured = 0 if self.graphs is None else self.graphs.captured
         rows = self._rows(runner, scheduler_output)
         with torch.inference_mode(), record_function("loopspec.lane_step"):
             steps = 0
@@ -174,6 +175,7 @@ class LoopSpecRunner:
                 self._recurrent_step(runner, [row for row in rows if not row.done])
                 steps += 1
         self._step.lane_steps += 1
+        self._step.graph_captures += 0 if self.graphs is None else self.graphs.captured - captured
         self._count_pipeline_stats(before)
         out = self._finish_lane_step(runner, rows)
         for row in rows:  # finished by its own stop rule: vLLM frees it next step (or it restarts)
@@ -199,10 +201,8 @@ class LoopSpecRunner:
         if output is None or not getattr(output, "req_ids", None):
             return
         if not _lanes_on(scheduler_output):  # the policy chose plain decoding: no lanes, no drafts
-            for req_id in output.req_ids:
-                self._drop(req_id)
-            self._step.plain_steps += 1
-            self._set_drafts(runner)
+            self.plain_step(output.req_ids)
+            self.hand_over_drafts(runner, output)
             return
         self._ensure_storage(runner)
         counted = False
@@ -213,8 +213,8 @@ class LoopSpecRunner:
             if not tokens or state is None:
                 continue
             params = lane_sampling(state.sampling_params)
-            if params is None:
-                self._drop(req_id)
+            if params is None or self._ends(state, tokens[-1], len(state.output_token_ids)):
+                self._drop(req_id)  # lanes do not serve it, or this step finished it
                 continue
             live = self.live.get(req_id)
             position = state.num_prompt_tokens + len(state.output_token_ids) - 1  # the last token's
@@ -239,7 +239,13 @@ class LoopSpecRunner:
             with torch.inference_mode():
                 self._assign_slots([lane for _, lane in starts])
                 self._run_pre(runner, starts)
-        self._set_drafts(runner)
+        self.hand_over_drafts(runner, output)
+
+    def plain_step(self, req_ids) -> None:
+        """A step the policy ran without lanes: its requests hold none until a lanes-mode step."""
+        for req_id in req_ids:
+            self._drop(req_id)
+        self._step.plain_steps += 1
 
     def take_counters(self) -> EngineCounters:
         """This step's counters (attached to the step's output for the scheduler)."""
@@ -438,10 +444,14 @@ class LoopSpecRunner:
             self._run_pre(runner, spawned)
 
     def _is_final(self, row: _Row, token: int) -> bool:
-        """Would committing ``token`` finish the request (vLLM's stop rules for lane requests)?"""
-        sp, state = row.state.sampling_params, row.state
-        n_out = len(state.output_token_ids) + len(row.tokens) + 1
-        return (token == sp.eos_token_id or token in (sp.stop_token_ids or ())
+        """Would committing ``token`` finish the request?"""
+        return self._ends(row.state, token, len(row.state.output_token_ids) + len(row.tokens) + 1)
+
+    def _ends(self, state, token: int, n_out: int) -> bool:
+        """Does ``token``, the request's ``n_out``-th output token, end it (vLLM's stop rules for lane
+        requests; stop strings are the front end's, and are left to vLLM's next step)?"""
+        sp = state.sampling_params
+        return ((token == sp.eos_token_id and not sp.ignore_eos) or token in (sp.stop_token_ids or ())
                 or n_out >= (sp.max_tokens if sp.max_tokens is not None else self.max_model_len)
                 or state.num_prompt_tokens + n_out >= self.max_model_len)
 
@@ -483,16 +493,40 @@ class LoopSpecRunner:
             ib.is_token_ids[row.index, start:end] = True
             ib.num_tokens_no_spec[row.index] = end
             row.state.output_token_ids.extend(row.tokens)
-        self._set_drafts(runner)
         out = ModelRunnerOutput(req_ids=list(ib.req_ids), req_id_to_index=dict(ib.req_id_to_index),
                                 sampled_token_ids=[row.tokens for row in rows])
+        self.hand_over_drafts(runner, out)
         return out
 
-    def _set_drafts(self, runner) -> None:
-        """Each request's first-proposal chain (at most num_speculative_tokens) becomes its drafts."""
+    def hand_over_drafts(self, runner, out) -> None:
+        """Each request's first-proposal chain (at most num_speculative_tokens) becomes its drafts:
+        where vLLM's ``take_draft_token_ids`` reads them, or, under async scheduling (whose engine core
+        never asks), on the step's output for ``LoopSpecAsyncScheduler``."""
+        req_ids = list(runner.input_batch.req_ids)
         drafts = []
-        for req_id in runner.input_batch.req_ids:
+        for req_id in req_ids:
             live = self.live.get(req_id)
             drafts.append([] if live is None else [lane.token for lane in live.pipe.chain()][: self.num_spec_tokens])
-        runner._draft_token_ids = drafts
-        runner._draft_token_req_ids = list(runner.input_batch.req_ids)
+        if runner.vllm_config.scheduler_config.async_scheduling:
+            out.loopspec_drafts = (req_ids, drafts)
+            runner._draft_token_ids = runner._draft_token_req_ids = None
+        else:
+            runner._draft_token_ids, runner._draft_token_req_ids = drafts, req_ids
+
+
+def reset_async_carry(runner) -> None:
+    """After a barrier step of an async engine (a lane step, or a lanes-mode step that ran vLLM's
+    synchronous sampling), forget what vLLM's async runner carries from one step into the next
+    (``GPUModelRunner`` of vLLM 0.26): the next step must read its inputs from ``token_ids_cpu``,
+    where the barrier step wrote its real tokens. Left in place, the last plain step's sampled
+    tokens would overwrite the barrier's (``_prepare_input_ids``), and its draft count would "correct"
+    ``num_computed_tokens`` with a count custom_class drafters never fill."""
+    ib = runner.input_batch
+    ib.prev_sampled_token_ids = ib.prev_req_id_to_index = None
+    ib.sampled_token_ids_cpu = ib.async_copy_ready_event = None
+    runner.valid_sampled_token_count_gpu = None
+    runner._draft_token_ids = runner._draft_token_req_ids = None
+    for req_id in ib.req_ids:
+        state = runner.requests.get(req_id)
+        if state is not None:
+            state.prev_num_draft_len = 0

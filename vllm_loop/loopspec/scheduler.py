@@ -17,6 +17,11 @@ small JSON file that the front end's stat logger (``stat_logger.py``) turns into
 The scheduler also takes the lanes policy's decision for each step (``policy.py``: lanes or plain
 decoding, from the engine-step throughput each mode has shown at this batch size). It travels to
 every worker as ``scheduler_output.loopspec_lanes``, so tensor-parallel ranks never disagree.
+
+Under vLLM's async scheduling (``LoopSpecAsyncScheduler``) plain steps pipeline as in vanilla vLLM:
+step N+1 is scheduled while step N runs, assuming one token per row. A lanes-mode step cannot be
+pipelined -- how many tokens each row commits is known only when it ends -- so it is a *barrier*:
+the scheduler drains the steps in flight, runs it alone, and schedules nothing behind it.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import json
 import os
 import time
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_loop.loopspec.config import knobs
 from vllm_loop.loopspec.metrics import EngineCounters
-from vllm_loop.loopspec.policy import LanePolicy, StepSample
+from vllm_loop.loopspec.policy import PATTERN_ENV, LanePolicy, StepSample
 
 METRICS_ENV = "VLLM_LOOP_METRICS_FILE"  # set by the front end when it translates a loopspec config
 
@@ -54,15 +61,16 @@ def loopspec_spec_stats(step: EngineCounters, num_spec_tokens: int) -> SpecDecod
     return stats
 
 
-def step_sample(so, output, step: EngineCounters | None, seconds: float) -> StepSample | None:
+def step_sample(so, output, step: EngineCounters | None, seconds: float | None) -> StepSample | None:
     """A policy sample from a finished step that ran in the mode the policy chose for it: a lane step,
     or a plain step of decode rows with no drafts. Other steps (a prefill joined, a chain verified as
     drafts) say little about either mode's speed."""
     lanes = getattr(so, "loopspec_lanes", True)
-    if output is None or not so.num_scheduled_tokens or not getattr(output, "sampled_token_ids", None):
+    if seconds is None or output is None or not so.num_scheduled_tokens or not getattr(output, "sampled_token_ids", None):
         return None
     if lanes:
-        if step is None or not step.lane_steps:
+        # a step that captured a lane graph (a new shape bucket) took far longer than its mode does
+        if step is None or not step.lane_steps or step.graph_captures:
             return None
     elif (so.scheduled_new_reqs or so.scheduled_cached_reqs.resumed_req_ids or so.scheduled_spec_decode_tokens
           or any(n != 1 for n in so.num_scheduled_tokens.values())):
@@ -85,7 +93,8 @@ class LoopSpecScheduler(Scheduler):
         base = os.environ.get(METRICS_ENV)
         index = self.vllm_config.parallel_config.data_parallel_rank
         self._metrics_file = metrics_path(base, index) if base else None
-        self.lane_policy = LanePolicy((knobs(self.vllm_config) or {}).get("lanes", "on"))
+        self.lane_policy = LanePolicy((knobs(self.vllm_config) or {}).get("lanes", "on"),
+                                      pattern=os.environ.get(PATTERN_ENV))
         self._step_start = 0.0
         self._published_at, self._unpublished = 0.0, False
 
@@ -98,7 +107,7 @@ class LoopSpecScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         self._loopspec_step = getattr(model_runner_output, "loopspec", None)
         sample = step_sample(scheduler_output, model_runner_output, self._loopspec_step,
-                             time.perf_counter() - self._step_start)
+                             self._step_seconds(scheduler_output))
         if sample is not None:
             self.lane_policy.observe(sample)
         if self._loopspec_step is not None:
@@ -111,6 +120,10 @@ class LoopSpecScheduler(Scheduler):
             self._publish()
             self._published_at, self._unpublished = now, False
         return outputs
+
+    def _step_seconds(self, scheduler_output) -> float | None:
+        """Engine time of the step just finished (schedule + execute + update so far)."""
+        return time.perf_counter() - self._step_start
 
     def make_spec_decoding_stats(self, spec_decoding_stats, *args, **kwargs):
         return spec_decoding_stats  # per-request draft counts do not apply; see make_stats
@@ -128,3 +141,97 @@ class LoopSpecScheduler(Scheduler):
         with open(tmp, "w") as f:
             json.dump(vars(self.loopspec_totals), f)
         os.replace(tmp, self._metrics_file)
+
+
+class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
+    """LoopSpec under async scheduling (chosen by ``vllm_patches.install_loopspec_async``).
+
+    * Plain steps are scheduled with no drafts at all (``num_spec_tokens`` 0 while they are made):
+      the base scheduler would otherwise give a new one-token decode ``[-1] * K`` placeholder drafts,
+      and the step pipelined behind it would then be placed K positions too far.
+    * A lanes-mode step is a barrier. ``has_requests`` answers False while one is in flight, or while
+      one is wanted and plain steps are still in flight: the engine core then blocks on its oldest
+      batch instead of scheduling (no empty step, no executor round trip). It answers False only
+      while a step of ours is in the engine's batch queue, so the engine never waits for input.
+    * Drafts (the lane chains) come back on the step's output (``loopspec_drafts``): under async
+      scheduling the engine core never calls ``take_draft_token_ids``.
+    * The policy's throughput samples time each step from its start or the previous step's end,
+      whichever is later: pipelined steps overlap, and the steady interval between completions is
+      what each mode delivers (``_step_seconds``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._in_flight: set[int] = set()  # ids of our scheduler outputs with tokens, not yet updated
+        self._barrier: int | None = None  # the lanes-mode step in flight
+        self._wanted: bool | None = None  # the next step's mode, decided before it can be scheduled
+        self._drained = False
+        self.held_for_barrier = False
+        self._last_update = 0.0
+
+    def _next_is_lanes(self) -> bool:
+        if self._wanted is None:
+            self._wanted = self.lane_policy.lanes(max(1, len(self.running)))
+        return self._wanted
+
+    def has_requests(self) -> bool:
+        if not super().has_requests():
+            return False
+        if self._barrier is not None or (self._in_flight and self._next_is_lanes()):
+            self._drained = self._barrier is None
+            self.held_for_barrier = True  # read by vllm_patches._no_idle_sleep_after_barriers
+            return False
+        return True
+
+    def schedule(self, *args, **kwargs):
+        lanes, self._wanted = self._next_is_lanes(), None
+        if lanes and self._in_flight:
+            raise RuntimeError("LoopSpec: a lanes-mode step was scheduled with steps in flight")
+        start = time.perf_counter()
+        if lanes:
+            so = Scheduler.schedule(self, *args, **kwargs)
+        else:
+            for request in self.running:  # plain decoding: the last lane chains are dropped
+                request.spec_token_ids = []
+            k, self.num_spec_tokens = self.num_spec_tokens, 0
+            try:
+                so = Scheduler.schedule(self, *args, **kwargs)
+            finally:
+                self.num_spec_tokens = k
+        so.loopspec_lanes, so.loopspec_start = lanes, start
+        if so.total_num_scheduled_tokens > 0:
+            self.loopspec_totals.pipelined_steps += bool(self._in_flight)
+            self.loopspec_totals.drains += lanes and self._drained
+            self._in_flight.add(id(so))  # the engine hands this same object back to update_from_output
+            if lanes:
+                self._barrier = id(so)
+        self._drained = False
+        return so
+
+    def _step_seconds(self, scheduler_output) -> float | None:
+        """From the step's start or the previous step's end, whichever is later: the steady interval
+        between completions while steps overlap. None for the last step of a pipelined run (nothing
+        scheduled behind it): it ran while the host finished the step before, so that interval is
+        too short to say anything."""
+        start = getattr(scheduler_output, "loopspec_start", 0.0)
+        if start < self._last_update and not self._in_flight:
+            return None
+        return time.perf_counter() - max(start, self._last_update)
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        super()._update_after_schedule(scheduler_output)  # AsyncScheduler's: 1 + drafts placeholders
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if not request.is_prefill_chunk:  # not [-1] * K: drafts come only from a lanes-mode output
+                request.spec_token_ids = []
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        self._in_flight.discard(id(scheduler_output))
+        if self._barrier == id(scheduler_output):
+            self._barrier = None
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._last_update = time.perf_counter()
+        drafts = getattr(model_runner_output, "loopspec_drafts", None)
+        if drafts is not None:
+            self.update_draft_token_ids(DraftTokenIds(*drafts))
+        return outputs

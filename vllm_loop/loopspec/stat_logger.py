@@ -10,7 +10,9 @@ Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{
 ``..._recurrent_steps_total``, ``..._lanes_advanced_total``, ``..._request_steps_total``,
 ``..._gate_evaluations_total``, ``..._gate_opens_total``, ``..._lane_steps_total``,
 ``..._prefill_joined_steps_total``, ``..._chain_drafts_total``, ``..._chain_accepted_total``,
-``..._plain_steps_total`` (decode steps the lanes policy ran without lanes), and the
+``..._plain_steps_total`` (decode steps the lanes policy ran without lanes), under async scheduling
+``..._pipelined_steps_total`` (steps scheduled while another ran) and ``..._barrier_drains_total``
+(lanes-mode steps that waited for the steps in flight), and the
 gauges ``vllm_loop:loopspec_gamma`` (tokens a request commits per R recurrent steps, since start)
 and ``vllm_loop:loopspec_lanes_per_step``.
 """
@@ -34,7 +36,7 @@ COUNTERS = {  # counter name -> EngineCounters field
     "recurrent_steps": "recurrent_steps", "lanes_advanced": "lanes_advanced", "request_steps": "request_steps",
     "gate_evaluations": "gate_evaluations", "gate_opens": "gate_opens", "lane_steps": "lane_steps",
     "prefill_joined_steps": "standard_steps", "chain_drafts": "chain_drafts", "chain_accepted": "chain_accepted",
-    "plain_steps": "plain_steps",
+    "plain_steps": "plain_steps", "pipelined_steps": "pipelined_steps", "barrier_drains": "drains",
 }
 _metrics: dict | None = None  # created once per process (Prometheus names are global)
 
