@@ -30,8 +30,9 @@ def test_tries_both_then_runs_the_faster(lanes_faster):
     chosen = _run(policy, rows=1, steps=200, speed=speed)
     assert chosen[:8] == [True] * 4 + [False] * 4  # the trials
     after = chosen[8:]
-    # the faster mode, except a re-check of the other (trial steps) every `recheck` decisions
-    assert after.count(lanes_faster) == len(after) - 4 * (len(after) // 50)
+    # the faster mode, except re-checks of the other (trial steps): after 50 decisions, then (confirmed)
+    # after 100 more
+    assert after.count(lanes_faster) == len(after) - 4 * 2
     assert policy.describe()[1] == {"lanes": speed[True], "plain": speed[False]}
 
 
@@ -51,8 +52,19 @@ def test_a_recheck_follows_a_change():
     assert policy.lanes(2) is True
     chosen = _run(policy, rows=2, steps=60, speed={True: 50.0, False: 100.0})
     assert chosen[-40:].count(True) <= 2 * 3
-    chosen = _run(policy, rows=2, steps=60, speed={True: 400.0, False: 100.0})
+    # re-checks that confirm plain decoding come ever later (up to 4 x recheck), then one brings lanes back
+    chosen = _run(policy, rows=2, steps=120, speed={True: 400.0, False: 100.0})
     assert chosen[-20:].count(False) <= 3  # at most one re-check trial of plain decoding
+
+
+def test_confirmed_rechecks_come_less_often():
+    """Lanes stay slower: every re-check costs ``trial`` lane steps; confirmed ones are spaced 2x, then
+    4x the base pace, so 1,000 steps take 5 re-checks where a fixed pace would take 15."""
+    policy = LanePolicy(trial=4, recheck=64)
+    chosen = _run(policy, rows=64, steps=1000, speed={True: 500.0, False: 2000.0})
+    assert chosen[:8] == [True] * 4 + [False] * 4
+    lane_steps = chosen[8:].count(True)
+    assert lane_steps == 5 * 4, lane_steps
 
 
 def test_on_always_runs_lanes_and_bad_modes_are_refused():

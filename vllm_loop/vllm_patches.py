@@ -497,10 +497,10 @@ def _loopspec_runner(runner):
 
 def install_loopspec_runner() -> None:
     """Decode steps of LoopSpec requests run lanes (``loopspec/runner.py``) instead of vLLM's
-    forward. A lane step's output comes back from ``sample_tokens``, which the engine core calls
-    whenever ``execute_model`` returned None (``EngineCore.step``; always under the batch queue of
-    async scheduling, which ignores what ``execute_model`` returns). After vLLM's own steps the lanes
-    follow the committed tokens.
+    forward. A lane step's output is what ``execute_model`` returns (``EngineCore.step`` then skips
+    ``sample_tokens``); under async scheduling, whose batch queue always calls ``sample_tokens`` and
+    uses only its result, ``sample_tokens`` hands it back. After vLLM's own steps the lanes follow the
+    committed tokens.
 
     Under async scheduling (``install_loopspec_async``) vLLM's runner leaves each step's sampled
     tokens on the GPU for the next step's inputs. Its plain steps keep that (they pipeline). A
@@ -521,9 +521,11 @@ def install_loopspec_runner() -> None:
         if lanes is None:
             return execute_model(self, scheduler_output, *args, **kwargs)
         out = lanes.execute_model(self, scheduler_output)
-        if out is not None:  # a lane step: handed back by sample_tokens, next
+        if out is not None:  # a lane step
             out.loopspec = lanes.take_counters()
-            self._vllm_loop_lane_output = out
+            if not self.vllm_config.scheduler_config.async_scheduling:
+                return out  # EngineCore.step then skips sample_tokens (one executor round trip less)
+            self._vllm_loop_lane_output = out  # the batch queue reads sample_tokens' result only
             return None
         out = execute_model(self, scheduler_output, *args, **kwargs)
         # None: vLLM samples in sample_tokens next, where the lanes follow its tokens

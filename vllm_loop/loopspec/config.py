@@ -8,7 +8,10 @@ plugin translates a loopspec config before vLLM sees it (``vllm_patches.install_
   can hand back as drafts, so the scheduler gives its positions KV slots);
 * the LoopSpec knobs travel in ``additional_config["loopspec"]``, which reaches every process;
 * the scheduler is ``LoopSpecScheduler`` (vLLM's scheduler with LoopSpec's acceptance counters in
-  the spec-decode metrics) and scheduling is synchronous (lane steps return their tokens directly).
+  the spec-decode metrics); where async scheduling is possible, ``LoopSpecAsyncScheduler`` (plain
+  steps pipelined, lanes-mode steps as barriers; ``vllm_patches.install_loopspec_async``). The user's
+  ``--async-scheduling`` / ``--no-async-scheduling`` becomes the knob ``async`` ("on" / "off"; unset:
+  "auto").
 
 Knobs: ``d1`` (first-proposal depth), ``d2`` (second-proposal depth; omitted: single-proposal
 mode), ``gate`` (the paper's gate on the second proposal, default true), ``max_lanes`` (cap on

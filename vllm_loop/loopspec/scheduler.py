@@ -185,8 +185,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
 
     def schedule(self, *args, **kwargs):
         lanes, self._wanted = self._next_is_lanes(), None
-        if lanes and self._in_flight:
-            raise RuntimeError("LoopSpec: a lanes-mode step was scheduled with steps in flight")
+        lanes = lanes and not self._in_flight  # has_requests holds such steps back; plain is always safe
         start = time.perf_counter()
         if lanes:
             so = Scheduler.schedule(self, *args, **kwargs)
