@@ -271,31 +271,14 @@ def test_loopspec_async_mixed_rows_compiled(ckpt_factory):
     """Async scheduling, forced transitions: requests the lanes cannot serve (logprobs, penalties,
     min_tokens, allowed tokens, seeded sampling with bad words) next to lane requests give what vanilla
     vLLM (async) gives; their -1 placeholders are repaired through the barrier steps."""
-    from vllm import SamplingParams
-
     from vllm_loop.loopspec.policy import PATTERN_ENV
+    from vllm_loop.testing.engines import generate_mixed, mixed_batch
 
     path = ckpt_factory("ouro", options={"agreement": "0.005"})
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
-    special = [
-        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
-        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
-        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12),
-        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
-        SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=list(range(50, 90))),
-        SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=1, bad_words=["x"]),
-    ]
-    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    batch = [(p, sp) for sp in special for p in prompts] + [(p, plain) for p in prompts]
-
-    def run(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
     vanilla = start_llm(path, max_model_len=128, block_size=16)
     try:
         assert vanilla.llm_engine.vllm_config.scheduler_config.async_scheduling
-        want = run(vanilla)
+        want = generate_mixed(vanilla)
     finally:
         stop_llm(vanilla)
     os.environ[PATTERN_ENV] = "LLPPPLP"
@@ -304,13 +287,13 @@ def test_loopspec_async_mixed_rows_compiled(ckpt_factory):
                         block_size=16)
         try:
             assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
-            got = run(llm)
+            got = generate_mixed(llm)
         finally:
             stop_llm(llm)
     finally:
         os.environ.pop(PATTERN_ENV, None)
     assert got == want
-    print(f"GPU async LoopSpec: {len(batch)} mixed requests (lanes and vLLM's path) identical to vanilla async")
+    print(f"GPU async LoopSpec: {len(mixed_batch())} mixed requests (lanes and vLLM's path) identical to vanilla async")
 
 
 def test_loopspec_sampling_distribution_compiled(ckpt_factory):

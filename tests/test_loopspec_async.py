@@ -21,6 +21,7 @@ import pytest
 from vllm_loop.testing.engines import (
     engine_core,
     free_kv_blocks,
+    generate_mixed,
     greedy_jobs,
     lane_census,
     run_jobs,
@@ -159,33 +160,15 @@ def test_async_requests_lanes_cannot_serve_next_to_lane_requests(ckpt_factory):
     """Requests the lanes do not serve (logprobs, penalties, min_tokens, allowed tokens, seeded sampling
     with bad words) decode on vLLM's path next to lane requests through forced transitions: the same
     outputs as a vanilla engine."""
-    from vllm import SamplingParams
-
     path = ckpt_factory("ouro", options={"agreement": "0.005"})
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
-    special = [
-        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
-        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
-        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12),
-        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
-        SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=list(range(50, 90))),
-        SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=1, bad_words=["x"]),
-    ]
-    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    batch = [(p, sp) for sp in special for p in prompts] + [(p, plain) for p in prompts]
-
-    def run(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs is not None) for o in outs]
-
     vanilla = start_llm(path, block_size=16, max_model_len=128, kv_cache_memory_bytes=2**28)
     try:
-        want = run(vanilla)
+        want = generate_mixed(vanilla)
     finally:
         stop_llm(vanilla)
     llm = _engine(path, {"method": "loopspec", "d1": 1, "d2": 2}, "LLPPPLP")
     try:
-        got = run(llm)
+        got = generate_mixed(llm)
         _drain(llm)
         totals = engine_core(llm).scheduler.loopspec_totals
     finally:

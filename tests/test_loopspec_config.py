@@ -136,8 +136,8 @@ def test_async_scheduling_flag_becomes_a_knob(ckpt_factory):
     """vLLM refuses async scheduling for custom_class: the front door validates synchronously and keeps
     the user's flag; on this CPU the engine stays synchronous, as vLLM's CPU platform does."""
     path = ckpt_factory("ouro")
-    for flag, knob in ((True, "on"), (False, "off"), (None, "auto")):
-        cfg = _config(path, {"method": "loopspec"}, async_scheduling=flag)
+    for asked, knob in ((True, "on"), (False, "off"), (None, "auto")):
+        cfg = _config(path, {"method": "loopspec"}, async_scheduling=asked)
         assert cfg.additional_config["loopspec"]["async"] == knob
         assert cfg.scheduler_config.async_scheduling is False
         assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -153,9 +153,9 @@ def test_async_scheduling_where_supported(ckpt_factory, monkeypatch):
     path = ckpt_factory("ouro")
     monkeypatch.setattr(vllm_patches, "async_blocker", lambda cfg: None)
     cases = [({}, None, True), ({"lanes": "on"}, None, False), ({"lanes": "on"}, True, True), ({}, False, False)]
-    for extra, flag, on in cases:
-        cfg = _config(path, {"method": "loopspec"} | extra, async_scheduling=flag)
-        assert cfg.scheduler_config.async_scheduling is on, (extra, flag)
+    for extra, asked, on in cases:
+        cfg = _config(path, {"method": "loopspec"} | extra, async_scheduling=asked)
+        assert cfg.scheduler_config.async_scheduling is on, (extra, asked)
         assert cfg.scheduler_config.scheduler_cls.endswith("LoopSpecAsyncScheduler" if on else "LoopSpecScheduler")
         assert cfg.model_config.disable_cascade_attn or not on
     monkeypatch.setattr(vllm_patches, "async_blocker", lambda cfg: "the RayDistributedExecutor does not support it")

@@ -23,9 +23,12 @@ from collections import Counter
 import pytest
 
 from vllm_loop.testing.engines import (
+    MIXED_PROMPTS,
     free_kv_blocks,
+    generate_mixed,
     greedy_jobs,
     lane_census,
+    mixed_batch,
     run_jobs,
     start_llm,
     stop_llm,
@@ -320,30 +323,15 @@ def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
     from vllm import SamplingParams
 
     path = ckpt_factory("ouro", options={"agreement": "0.005"})
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
-    special = [
-        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
-        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
-        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12),
-        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
-        SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=list(range(50, 90))),
-        SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=1, bad_words=["x"]),
-    ]
-    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    batch = [(p, sp) for sp in special for p in prompts] + [(p, plain) for p in prompts]
-
-    def run(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs is not None for o in outs]
-
+    prompts, plain = MIXED_PROMPTS, mixed_batch()[-1][1]
     vanilla = _engine(path)
     try:
-        want, want_lp = run(vanilla)
+        want = generate_mixed(vanilla)
     finally:
         stop_llm(vanilla)
     llm = _engine(path, {"method": "loopspec", "lanes": "on"})
     try:
-        got, got_lp = run(llm)
+        got = generate_mixed(llm)
         # vLLM itself refuses these with any speculative decoding, before the engine sees them
         for bad in (dict(min_p=0.1), dict(logit_bias={7: 5.0})):
             with pytest.raises(ValueError, match="min_p and logit_bias"):
@@ -352,6 +340,6 @@ def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
         totals = _totals(llm)
     finally:
         stop_llm(llm)
-    assert got == want and got_lp == want_lp
-    assert [list(o.outputs[0].token_ids) for o in again] == want[-len(prompts):]
+    assert got == want
+    assert [(list(o.outputs[0].token_ids), False) for o in again] == want[-len(prompts):]
     assert totals["lane_steps"] > 0

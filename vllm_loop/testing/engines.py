@@ -198,6 +198,35 @@ class Server:
             return None
 
 
+# -- requests the lanes do not serve, next to lane requests -------------------------------------------------
+MIXED_PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+
+
+def mixed_batch() -> list[tuple[list[int], object]]:
+    """(prompt, sampling params): each of ``MIXED_PROMPTS`` with logprobs, a repetition penalty,
+    min_tokens, presence / frequency penalties, allowed tokens, and seeded sampling with bad words
+    (requests LoopSpec leaves to vLLM's path), then each as a greedy request the lanes serve."""
+    from vllm import SamplingParams
+
+    special = [
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12),
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=list(range(50, 90))),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=1, bad_words=["x"]),
+    ]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return [(p, sp) for sp in special for p in MIXED_PROMPTS] + [(p, plain) for p in MIXED_PROMPTS]
+
+
+def generate_mixed(llm) -> list[tuple[list[int], bool]]:
+    """``mixed_batch()`` in one ``generate``: per request, its tokens and whether it has logprobs."""
+    batch = mixed_batch()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs is not None) for o in outs]
+
+
 # -- driving an engine step by step (requests arriving while others decode, aborts) ------------------------
 class Job:
     """One request of a scripted run: submitted before engine step ``at``, aborted before step ``abort_at``."""
