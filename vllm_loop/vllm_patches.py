@@ -385,11 +385,12 @@ def install_loopspec_async() -> None:
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
         k = knobs(config)
-        if k is None or k.get("async", "auto") == "off" or (k.get("async", "auto") == "auto" and k["lanes"] != "auto"):
+        asked = None if k is None else k.get("async", "auto")
+        if asked is None or asked == "off" or (asked == "auto" and k["lanes"] != "auto"):
             return config
         reason = async_blocker(config)
         if reason is not None:
-            if k["async"] == "on" and current_platform.is_cuda():  # elsewhere vLLM itself drops the flag
+            if asked == "on" and current_platform.is_cuda():  # elsewhere vLLM itself drops the flag
                 raise ValueError(f"--async-scheduling with speculative_config (loopspec): {reason}; "
                                  "allowed: --no-async-scheduling")
             return config

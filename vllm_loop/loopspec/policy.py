@@ -12,8 +12,9 @@ A bucket first runs ``trial`` lane steps, then ``trial`` plain steps, then the f
 after ``recheck`` steps the other mode gets ``trial`` steps again (acceptance follows the text, and
 the batch the load). A re-check that confirms the choice doubles the wait for the next one (up to 4x
 ``recheck``), and any change of choice resets it: at 64-128 requests a lane trial costs as much as
-many plain steps, and re-checking at a fixed pace cost ~4 % there on the H200 (benchmarks/RESULTS.md). ``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one
-process), so every tensor-parallel rank follows the same one.
+many plain steps, and re-checking at a fixed pace cost ~4 % there on the H200 (benchmarks/RESULTS.md).
+``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one process), so every
+tensor-parallel rank follows the same one.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class _Bucket:
     steps: int = 0  # decisions taken after both trials
     wait: int = 0  # decisions from one re-check to the next (0: not set yet)
     next_check: int = 0
-    checked: bool | None = None  # the choice a re-check in progress put on trial
+    rechecking: bool = False  # the other mode is on trial again
     last: bool | None = None  # the last choice
 
     def best(self) -> bool:
@@ -82,12 +83,12 @@ class LanePolicy:
         best = b.best()
         if b.wait == 0 or best != b.last:  # first choice, or a change: re-check at the base pace
             b.wait, b.next_check = self.recheck, b.steps + self.recheck
-        elif b.checked is not None:  # a re-check just confirmed the choice: wait longer for the next
+        elif b.rechecking:  # a re-check just confirmed the choice: wait longer for the next
             b.wait = min(2 * b.wait, 4 * self.recheck)
             b.next_check = b.steps + b.wait
-        b.checked, b.last = None, best
+        b.rechecking, b.last = False, best
         if b.steps >= b.next_check:  # start a re-measurement of the other mode
-            b.checked = best
+            b.rechecking = True
             b.seen[not best] = 0
             return not best
         return best

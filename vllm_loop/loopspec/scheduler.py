@@ -95,13 +95,13 @@ class LoopSpecScheduler(Scheduler):
         self._metrics_file = metrics_path(base, index) if base else None
         self.lane_policy = LanePolicy((knobs(self.vllm_config) or {}).get("lanes", "on"),
                                       pattern=os.environ.get(PATTERN_ENV))
-        self._step_start = 0.0
         self._published_at, self._unpublished = 0.0, False
 
     def schedule(self, *args, **kwargs):
-        self._step_start = time.perf_counter()
+        start = time.perf_counter()
         so = super().schedule(*args, **kwargs)
         so.loopspec_lanes = self.lane_policy.lanes(len(so.num_scheduled_tokens))
+        so.loopspec_start = start
         return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -123,7 +123,7 @@ class LoopSpecScheduler(Scheduler):
 
     def _step_seconds(self, scheduler_output) -> float | None:
         """Engine time of the step just finished (schedule + execute + update so far)."""
-        return time.perf_counter() - self._step_start
+        return time.perf_counter() - scheduler_output.loopspec_start
 
     def make_spec_decoding_stats(self, spec_decoding_stats, *args, **kwargs):
         return spec_decoding_stats  # per-request draft counts do not apply; see make_stats
@@ -162,8 +162,8 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._in_flight: set[int] = set()  # ids of our scheduler outputs with tokens, not yet updated
-        self._barrier: int | None = None  # the lanes-mode step in flight
+        # our scheduler outputs with tokens, not yet updated: id -> lanes mode (a barrier)
+        self._in_flight: dict[int, bool] = {}
         self._wanted: bool | None = None  # the next step's mode, decided before it can be scheduled
         self._drained = False
         self.held_for_barrier = False
@@ -177,8 +177,9 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
     def has_requests(self) -> bool:
         if not super().has_requests():
             return False
-        if self._barrier is not None or (self._in_flight and self._next_is_lanes()):
-            self._drained = self._barrier is None
+        barrier = any(self._in_flight.values())
+        if barrier or (self._in_flight and self._next_is_lanes()):
+            self._drained = not barrier
             self.held_for_barrier = True  # read by vllm_patches._no_idle_sleep_after_barriers
             return False
         return True
@@ -201,9 +202,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
         if so.total_num_scheduled_tokens > 0:
             self.loopspec_totals.pipelined_steps += bool(self._in_flight)
             self.loopspec_totals.drains += lanes and self._drained
-            self._in_flight.add(id(so))  # the engine hands this same object back to update_from_output
-            if lanes:
-                self._barrier = id(so)
+            self._in_flight[id(so)] = lanes  # the engine hands this same object back to update_from_output
         self._drained = False
         return so
 
@@ -212,7 +211,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
         between completions while steps overlap. None for the last step of a pipelined run (nothing
         scheduled behind it): it ran while the host finished the step before, so that interval is
         too short to say anything."""
-        start = getattr(scheduler_output, "loopspec_start", 0.0)
+        start = scheduler_output.loopspec_start
         if start < self._last_update and not self._in_flight:
             return None
         return time.perf_counter() - max(start, self._last_update)
@@ -225,9 +224,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
                 request.spec_token_ids = []
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        self._in_flight.discard(id(scheduler_output))
-        if self._barrier == id(scheduler_output):
-            self._barrier = None
+        self._in_flight.pop(id(scheduler_output), None)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._last_update = time.perf_counter()
         drafts = getattr(model_runner_output, "loopspec_drafts", None)
