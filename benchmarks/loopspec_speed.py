@@ -345,8 +345,14 @@ def main() -> int:
             if r["concurrency"] in base:
                 b = base[r["concurrency"]]
                 row["speedup_vs_vanilla"] = round(r["tok_s"] / b["tok_s"], 3)
+                # the long runs alone (prefill included): a cross-check of the difference above
+                row["long_run_speedup"] = round(b["t_long_s"] / r["t_long_s"], 3)
                 same = sum(x == y for x, y in zip(r["tokens"], b["tokens"]))
                 row["same_tokens_as_vanilla"] = f"{same}/{len(b['tokens'])} requests"
+            if r["t_short_s"] / SHORT > 1.5 * r["t_long_s"] / LONG:
+                # a short run slower per token than the long one (e.g. a one-off stall in it) inflates
+                # tok_s, which is the difference of the two: trust long_run_speedup for this row
+                row["short_run_outlier"] = True
             if "loopspec" in r:
                 ls = r["loopspec"]
                 row |= {"gamma": round(ls["gamma"], 3), "first": round(ls["shares"]["first"], 3),
