@@ -7,6 +7,9 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``vanilla``  -- this plugin's model, ordinary decoding;
 * ``vanilla-sync`` -- the same with ``async_scheduling=False`` (it shows what vLLM's asynchronous
   scheduling alone is worth);
+* ``vanilla-v1`` -- the same on vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): on CUDA vLLM
+  0.26 runs vanilla Ouro on its V2 runner, while every LoopSpec engine runs on V1 (V2 has no custom
+  speculative methods), so this is what LoopSpec's plain steps can be at best;
 * ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on,
   the defaults otherwise (on a GPU: lane calls replayed from CUDA graphs, the Triton lane attention,
   vLLM's fused custom ops, vLLM's C RMSNorm in the lane calls);
@@ -74,7 +77,7 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 # (issue 10's condition): 0.005 gave Ouro-1.4B only ~78 % in bf16; 0.001 gave 96.9 %
 # (benchmarks/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
-SYSTEMS = ("vanilla", "vanilla-sync", "loopspec", "loopspec-auto", "loopspec-auto-sync", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
+SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "loopspec", "loopspec-auto", "loopspec-auto-sync", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
            "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
@@ -138,6 +141,8 @@ def worker(args) -> dict:
     """One system: start its engine, measure every concurrency, print one JSON line."""
     if args.worker == "in-tree":
         os.environ["VLLM_PLUGINS"] = "none"  # no general plugin: vLLM's own OuroForCausalLM
+    if args.worker == "vanilla-v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     import torch
     from vllm import SamplingParams
 
@@ -175,7 +180,8 @@ def worker(args) -> dict:
     return {"system": args.worker, "startup_s": round(startup, 1), "rows": rows,
             "model_module": llm.llm_engine.vllm_config.model_config.architecture,
             "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu",
-            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
+            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+            "model_runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"}
 
 
 def _core_weight_bytes(worker) -> int:
