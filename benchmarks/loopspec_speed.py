@@ -12,16 +12,16 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
   speculative methods), so this is what LoopSpec's plain steps can be at best;
 * ``loopspec`` -- the same with ``speculative_config={"method": "loopspec", ...}``, lanes always on,
   the defaults otherwise (on a GPU: lane calls replayed from CUDA graphs, the Triton lane attention,
-  vLLM's fused custom ops, vLLM's C RMSNorm in the lane calls);
+  vLLM's CUDA custom ops and C RMSNorm in the lane calls);
 * ``loopspec-nographs`` -- the same with eager lane calls (``"lane_graphs": "off"``);
 * ``loopspec-torch`` -- the same with the PyTorch lane attention (``"lane_attention": "torch"``);
-* ``loopspec-unfused`` -- the same with ``compilation_config.custom_ops = ["none"]`` (vLLM's default
-  under torch.compile: SiLU-and-mul and rotary as native PyTorch for Inductor, which the lanes,
-  calling the layers outside the compiled forward, then run unfused; RMSNorm is not a custom op in
-  vLLM 0.26, and the lane calls always take its C kernel);
+* ``vanilla-fused`` / ``loopspec-auto-fused`` -- ``vanilla`` / ``loopspec-auto`` with
+  ``compilation_config.custom_ops = ["all"]``: vLLM's forward with its CUDA custom ops instead of the
+  native ops Inductor fuses (vLLM's default under torch.compile, and since 2026-12-01 a LoopSpec
+  engine's too: its lane calls take the CUDA ops themselves, ``lane_graphs.cuda_custom_ops``; before,
+  a LoopSpec engine on CUDA set "all" for the whole engine);
 * ``loopspec-triton`` / ``loopspec-fused`` / ``loopspec-triton-fused`` -- lanes on with the Triton
-  lane attention / ``custom_ops = ["all"]`` / both named explicitly (the defaults on CUDA since
-  2026-12-01; before, the PyTorch attention and vLLM's ``custom_ops`` were);
+  lane attention named explicitly (the default on CUDA) / ``custom_ops = ["all"]`` / both;
 * ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding;
   on a GPU with async scheduling: plain steps pipelined, lanes-mode steps as barriers);
 * ``loopspec-auto-sync`` -- the same with ``async_scheduling=False`` (how every LoopSpec engine
@@ -77,8 +77,9 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 # (issue 10's condition): 0.005 gave Ouro-1.4B only ~78 % in bf16; 0.001 gave 96.9 %
 # (benchmarks/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
-SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "loopspec", "loopspec-auto", "loopspec-auto-sync", "loopspec-nographs", "loopspec-torch", "loopspec-unfused",
-           "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
+SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec", "loopspec-auto", "loopspec-auto-sync",
+           "loopspec-auto-fused", "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused",
+           "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -128,10 +129,8 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["lane_attention"] = "triton"
     if system == "loopspec-torch":
         kw["speculative_config"]["lane_attention"] = "torch"
-    if system in ("loopspec-fused", "loopspec-triton-fused"):
+    if system.endswith("-fused"):
         kw["compilation_config"] = {"custom_ops": ["all"]}
-    if system == "loopspec-unfused":
-        kw["compilation_config"] = {"custom_ops": ["none"]}
     t0 = time.time()
     llm = LLM(args.checkpoint, **kw)
     return llm, kw, cfg, R, time.time() - t0
@@ -360,10 +359,14 @@ def main() -> int:
                 # tok_s, which is the difference of the two: trust long_run_speedup for this row
                 row["short_run_outlier"] = True
             if "loopspec" in r:
-                ls = r["loopspec"]
+                ls, n = r["loopspec"], r["loopspec"]["counters"]
                 row |= {"gamma": round(ls["gamma"], 3), "first": round(ls["shares"]["first"], 3),
                         "second": round(ls["shares"]["second"], 3), "full": round(ls["shares"]["full"], 3),
-                        "lanes_per_step": round(ls["lanes_per_step"], 2)}
+                        "lanes_per_step": round(ls["lanes_per_step"], 2),
+                        # per long run: where a LoopSpec engine's steps went
+                        "lane_steps": n["lane_steps"] / args.runs, "plain_steps": n["plain_steps"] / args.runs,
+                        "drains": n["drains"] / args.runs,
+                        "lane_step_s": round(n.get("lane_step_seconds", 0.0) / args.runs, 3)}
             table.append(row)
     for res in results.values():
         for r in res["rows"]:

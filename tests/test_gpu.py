@@ -270,6 +270,26 @@ def test_loopspec_async_greedy_identity_compiled(ckpt_factory, name, pattern):
           f"{totals.log_line(overrides.get('mean_recurrence', 4))}")
 
 
+def _mixed_on_v1(path: str, scheduling: str, env: dict, **kwargs) -> list:
+    """``generate_mixed`` on an engine started with ``env`` set (read by the engine-core process); the
+    engine must schedule as ``scheduling`` says and run vLLM's V1 model runner."""
+    from vllm_loop.testing.engines import generate_mixed
+
+    os.environ.update(env)
+    try:
+        llm = start_llm(path, max_model_len=128, block_size=16, **kwargs)
+        try:
+            config = llm.llm_engine.vllm_config
+            assert config.scheduler_config.async_scheduling is (scheduling == "async")
+            assert not config.use_v2_model_runner
+            return generate_mixed(llm)
+        finally:
+            stop_llm(llm)
+    finally:
+        for name in env:
+            os.environ.pop(name, None)
+
+
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
 def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
     """Forced transitions, async or sync scheduling: requests the lanes cannot serve (logprobs,
@@ -283,33 +303,13 @@ def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
     ``torch.Generator``: its seeded rows differ from any V1 engine's, LoopSpec or not (traced on the
     H200, benchmarks/RESULTS.md, eighth run)."""
     from vllm_loop.loopspec.policy import PATTERN_ENV
-    from vllm_loop.testing.engines import generate_mixed, mixed_batch
+    from vllm_loop.testing.engines import mixed_batch
 
     flag = {} if scheduling == "async" else {"async_scheduling": False}
     path = ckpt_factory("ouro", options={"agreement": "0.005"})
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # read by the engine-core process
-    try:
-        vanilla = start_llm(path, max_model_len=128, block_size=16, **flag)
-        try:
-            assert vanilla.llm_engine.vllm_config.scheduler_config.async_scheduling is (scheduling == "async")
-            assert not vanilla.llm_engine.vllm_config.use_v2_model_runner
-            want = generate_mixed(vanilla)
-        finally:
-            stop_llm(vanilla)
-    finally:
-        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    os.environ[PATTERN_ENV] = "LLPPPLP"
-    try:
-        llm = start_llm(path, speculative_config={"method": "loopspec", "d1": 1, "d2": 2}, max_model_len=128,
-                        block_size=16, **flag)
-        try:
-            assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is (scheduling == "async")
-            assert not llm.llm_engine.vllm_config.use_v2_model_runner
-            got = generate_mixed(llm)
-        finally:
-            stop_llm(llm)
-    finally:
-        os.environ.pop(PATTERN_ENV, None)
+    want = _mixed_on_v1(path, scheduling, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, **flag)
+    got = _mixed_on_v1(path, scheduling, {PATTERN_ENV: "LLPPPLP"},
+                       speculative_config={"method": "loopspec", "d1": 1, "d2": 2}, **flag)
     batch = mixed_batch()
     random_rows = {i for i, (_, sp) in enumerate(batch) if sp.temperature > 0}
     for i, (g, w) in enumerate(zip(got, want)):

@@ -129,3 +129,41 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
     for layout, heads, D in CASES:
         compare(lane_attention, layout, "cpu", heads=heads, D=D)
         print(f"OK {layout} heads={heads} D={D}", flush=True)
+
+
+CUSTOM_OPS = """
+import json, sys
+from vllm_loop.loopspec.lane_graphs import cuda_custom_ops, custom_ops_of
+from vllm_loop.testing.inprocess import build_model
+out = {}
+for name, path in json.loads(sys.argv[1]):
+    model = build_model(path)
+    ops = custom_ops_of(model)
+    before = [op._forward_method for op in ops]
+    with cuda_custom_ops(model, False):
+        untouched = all(op._forward_method == b for op, b in zip(ops, before))
+    with cuda_custom_ops(model, True):
+        inside = all(op._forward_method == op.forward_cuda for op in ops)
+    out[name] = {"kinds": sorted({type(op).__name__ for op in ops}), "untouched": untouched, "inside": inside,
+                 "restored": all(op._forward_method == b for op, b in zip(ops, before)),
+                 "was_cuda": any(b == op.forward_cuda for op, b in zip(ops, before))}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_lane_calls_take_vllms_cuda_custom_ops(ckpt_factory):
+    """Lane calls run the layers outside vLLM's compiled forward: on CUDA they dispatch every custom op
+    (SiLU-and-mul, rotary, RMSNorm) to vLLM's CUDA implementation for their length, whatever the
+    engine's ``custom_ops``, and restore the engine's dispatch afterwards; off CUDA nothing changes.
+    Checked on the real models (here on CPU, where the engine's dispatch is not the CUDA one, so the
+    swap is visible)."""
+    import json
+
+    jobs = [("ouro", ckpt_factory("ouro")), ("raven", ckpt_factory("huginn_raven", options={"layout": "llama"}))]
+    res = subprocess.run([sys.executable, "-c", CUSTOM_OPS, json.dumps(jobs)], capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    for name, got in out.items():
+        assert {"SiluAndMul", "RMSNorm"} <= set(got["kinds"]) and any("Rotary" in k for k in got["kinds"]), (name, got)
+        assert not got["was_cuda"] and got["untouched"] and got["inside"] and got["restored"], (name, got)

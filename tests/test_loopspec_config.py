@@ -105,23 +105,6 @@ def test_lane_attention_auto_is_the_kernel_on_cuda_only(ckpt_factory):
     assert runner.attention_mode == "torch" and runner.kernel is None  # this machine has no CUDA
 
 
-@pytest.mark.parametrize("cuda, chosen, expected", [(True, [], ["all"]), (True, ["+rms_norm"], ["+rms_norm"]),
-                                                    (False, [], [])])
-def test_loopspec_turns_on_fused_ops_on_cuda_unless_the_user_chose(monkeypatch, cuda, chosen, expected):
-    """Lane calls run outside vLLM's compiled forward: on CUDA a LoopSpec engine takes vLLM's fused
-    CUDA ops (custom_ops "all") unless --compilation-config names custom_ops itself; CPU unchanged."""
-    from types import SimpleNamespace
-
-    from vllm.platforms import current_platform
-
-    from vllm_loop.vllm_patches import _fused_ops_for_lanes
-
-    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: cuda)
-    cc = SimpleNamespace(custom_ops=list(chosen))
-    _fused_ops_for_lanes(cc)
-    assert cc.custom_ops == expected
-
-
 def test_loopspec_needs_a_looped_model(ckpt_factory):
     with pytest.raises(ValueError, match="needs a looped model .* this model is LlamaForCausalLM, which does not loop"):
         _config(ckpt_factory("llama"), {"method": "loopspec"})

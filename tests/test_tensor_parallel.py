@@ -61,7 +61,10 @@ def _tp_facts(worker) -> dict:
 
 
 def _lane_totals(worker) -> dict:
-    return dict(vars(worker.model_runner.drafter.totals))
+    """The rank's LoopSpec counters less its own wall time (the one counter ranks need not share)."""
+    totals = dict(vars(worker.model_runner.drafter.totals))
+    totals.pop("lane_step_seconds")
+    return totals
 
 
 @contextmanager

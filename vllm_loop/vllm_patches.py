@@ -332,7 +332,6 @@ def install_loopspec_front_door() -> None:
             self.additional_config = {**(self.additional_config or {}), "loopspec": knobs}
             self.scheduler_cls = loopspec_config.SCHEDULER
             self.async_scheduling = False
-            _fused_ops_for_lanes(self.compilation_config)
             # Where the engine core publishes LoopSpec counters for this front end's /metrics (an
             # environment variable, not a config field: it must not change vLLM's compile-cache hash).
             os.environ[METRICS_ENV] = os.path.join(tempfile.gettempdir(), f"vllm-loop-{uuid.uuid4().hex[:12]}")
@@ -456,20 +455,6 @@ def _no_idle_sleep_after_barriers() -> None:
 
     step_with_batch_queue._vllm_loop = True
     EngineCore.step_with_batch_queue = step_with_batch_queue
-
-
-def _fused_ops_for_lanes(compilation_config) -> None:
-    """Under torch.compile vLLM builds SiLU-and-mul and rotary as native PyTorch for Inductor to fuse
-    (``custom_ops`` "none"); but lane calls run the layers outside vLLM's compiled forward, and then
-    run them unfused. On CUDA, unless the user chose ``custom_ops``, a LoopSpec engine uses vLLM's
-    fused CUDA ops ("all", as in an eager engine): an Ouro-1.4B lane engine went from 100 to 121
-    tok/s on the H200 (benchmarks/RESULTS.md). RMSNorm is not a custom op in vLLM 0.26 (a ``vllm.ir``
-    op, chosen per call): the lane calls pick its C kernel themselves (``lane_graphs.compiled_norms``)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda() and not compilation_config.custom_ops:
-        compilation_config.custom_ops = ["all"]
-        logger.info("LoopSpec: vLLM's fused custom ops on (compilation_config.custom_ops = ['all']) for lane calls")
 
 
 def install_loopspec_packed_kv() -> None:

@@ -108,13 +108,45 @@ def compiled_norms():
         yield
 
 
+def custom_ops_of(model) -> list:
+    """The model's vLLM custom ops that have a CUDA implementation (SiLU-and-mul, rotary, RMSNorm);
+    found once per model."""
+    ops = getattr(model, "_vllm_loop_cuda_ops", None)
+    if ops is None:
+        from vllm.model_executor.custom_op import CustomOp
+
+        ops = [m for m in model.modules()
+               if isinstance(m, CustomOp) and type(m).forward_cuda is not CustomOp.forward_cuda]
+        model._vllm_loop_cuda_ops = ops
+    return ops
+
+
+@contextmanager
+def cuda_custom_ops(model, cuda: bool):
+    """vLLM's CUDA implementation of every custom op for the length of a lane call, whatever the
+    engine's ``custom_ops``. Under torch.compile vLLM builds them native (``custom_ops`` "none") for
+    Inductor to fuse inside its forward; lane calls run the layers outside it, where native is several
+    small kernels per op. vLLM's compiled forward never reads the op's dispatch again, so it keeps what
+    it compiled. ``cuda`` False (CPU): nothing changes."""
+    ops = custom_ops_of(model) if cuda else []
+    kept = [op._forward_method for op in ops]
+    for op in ops:
+        op._forward_method = op.forward_cuda
+    try:
+        yield
+    finally:
+        for op, method in zip(ops, kept):
+            op._forward_method = method
+
+
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
               context: int, kernel=None) -> torch.Tensor | None:
     """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
     returns the logits of every row (padding rows included). ``kernel``: the lane attention kernel
     (None: the PyTorch lane attention)."""
     rows, positions, depths, tokens = device_rows(packed, ancestors, context)
-    with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms():
+    with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms(), \
+            cuda_custom_ops(model, packed.is_cuda):
         if kind == "pre":
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
         elif kind == "core":

@@ -203,6 +203,7 @@ class EngineCounters:
     pipelined_steps: int = 0
     drains: int = 0
     graph_captures: int = 0  # lane CUDA graphs captured during steps (their first call of a shape bucket)
+    lane_step_seconds: float = 0.0  # the runner's wall time in lane steps (their GPU work included)
 
     def add(self, other: EngineCounters) -> None:
         for name in self.__dataclass_fields__:

@@ -26,6 +26,7 @@ moves tensors and keeps vLLM's books (input batch, request states, drafts, outpu
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,6 +165,7 @@ class LoopSpecRunner:
         self._forget(scheduler_output)
         if not _lanes_on(scheduler_output) or not self._is_lane_step(scheduler_output):
             return None
+        start = time.perf_counter()
         runner._update_states(scheduler_output)
         self._ensure_storage(runner)
         before = self._pipeline_stats()
@@ -181,6 +183,8 @@ class LoopSpecRunner:
         for row in rows:  # finished by its own stop rule: vLLM frees it next step (or it restarts)
             if not row.live.pipe.lanes:
                 self.live.pop(row.live.req_id, None)
+        # the tokens were read on the host, so the step's GPU work is (nearly all) done by now
+        self._step.lane_step_seconds += time.perf_counter() - start
         return out
 
     def _more_steps(self, rows: list[_Row], steps: int) -> bool:
