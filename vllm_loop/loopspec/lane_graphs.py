@@ -110,13 +110,15 @@ def compiled_norms():
 
 def custom_ops_of(model) -> list:
     """The model's vLLM custom ops that have a CUDA implementation (SiLU-and-mul, rotary, RMSNorm);
-    found once per model."""
+    found once per model. vLLM 0.26's ``CustomOp`` dispatches through ``_forward_method``, chosen at
+    construction; an op without one (another vLLM) is left alone."""
     ops = getattr(model, "_vllm_loop_cuda_ops", None)
     if ops is None:
         from vllm.model_executor.custom_op import CustomOp
 
         ops = [m for m in model.modules()
-               if isinstance(m, CustomOp) and type(m).forward_cuda is not CustomOp.forward_cuda]
+               if isinstance(m, CustomOp) and hasattr(m, "_forward_method")
+               and type(m).forward_cuda is not CustomOp.forward_cuda]
         model._vllm_loop_cuda_ops = ops
     return ops
 
