@@ -366,7 +366,7 @@ def main() -> int:
                         # per long run: where a LoopSpec engine's steps went
                         "lane_steps": n["lane_steps"] / args.runs, "plain_steps": n["plain_steps"] / args.runs,
                         "drains": n["drains"] / args.runs,
-                        "lane_step_s": round(n.get("lane_step_seconds", 0.0) / args.runs, 3)}
+                        "lane_step_s": round(n["lane_step_seconds"] / args.runs, 3)}
             table.append(row)
     for res in results.values():
         for r in res["rows"]:

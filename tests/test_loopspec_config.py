@@ -105,6 +105,18 @@ def test_lane_attention_auto_is_the_kernel_on_cuda_only(ckpt_factory):
     assert runner.attention_mode == "torch" and runner.kernel is None  # this machine has no CUDA
 
 
+@pytest.mark.parametrize("chosen", [[], ["all"], ["+rms_norm"]])
+def test_loopspec_leaves_custom_ops_to_vllm_and_the_user(ckpt_factory, chosen):
+    """vLLM's forward in a LoopSpec engine is compiled with the custom ops a vanilla engine would get
+    (the lane calls take vLLM's CUDA ops themselves, ``lane_graphs.cuda_custom_ops``); what the user
+    names in --compilation-config stays as named."""
+    path = ckpt_factory("ouro")
+    kw = {"compilation_config": {"custom_ops": list(chosen)}}
+    loopspec = _config(path, {"method": "loopspec"}, **kw).compilation_config.custom_ops
+    assert loopspec == _config(path, None, **kw).compilation_config.custom_ops
+    assert set(chosen) <= set(loopspec)
+
+
 def test_loopspec_needs_a_looped_model(ckpt_factory):
     with pytest.raises(ValueError, match="needs a looped model .* this model is LlamaForCausalLM, which does not loop"):
         _config(ckpt_factory("llama"), {"method": "loopspec"})
