@@ -14,20 +14,13 @@ set -u
 out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [speed random huginn identity gpu-tests]}
 shift
 steps=${*:-speed random huginn identity gpu-tests}
-mkdir -p "$out/ck"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps run from the repository root
 cd "$(dirname "$0")/.."
 phase() { echo "$(date +%T) $*" >> "$out/phases.txt"; }
-checkpoint() {  # shape agreement folder: made once, shared by the steps
-    [ -f "$3/config.json" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path; from loopspec_speed import make_shape_checkpoint
-make_shape_checkpoint('$1', Path('$3'), '$2')"
-}
-speed() {  # shape agreement name systems concurrency...
+speed() {  # shape agreement name systems concurrency...: loopspec_speed.py makes the checkpoint
     local shape=$1 agreement=$2 name=$3 systems=$4; shift 4
-    checkpoint "$shape" "$agreement" "$out/ck/$shape-$agreement" &&
     python3 benchmarks/loopspec_speed.py --runs 1 --shape "$shape" --agreement "$agreement" \
-        --checkpoint "$out/ck/$shape-$agreement" --systems "$systems" --concurrency "$@" \
-        --out "$out/loopspec-speed-$name.json"
+        --systems "$systems" --concurrency "$@" --out "$out/loopspec-speed-$name.json"
 }
 phase "start: $steps"
 for step in $steps; do

@@ -271,8 +271,8 @@ def plot(table: list[dict], args, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("concurrency (requests)")
     ax.set_ylabel("output tok/s")
-    spec = {k: v for k, v in json.loads(args.spec).items() if k != "lanes"}  # lanes: the system's name says
-    ax.set_title(f"{args.shape}: decode speed, {spec}; lanes auto in loopspec-auto*, else on", fontsize=9)
+    spec = {k: v for k, v in json.loads(args.spec).items() if k != "lanes"}  # each system sets its own (_start)
+    ax.set_title(f"{args.shape}: decode speed, {spec}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
