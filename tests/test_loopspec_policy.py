@@ -23,16 +23,21 @@ def test_buckets_are_powers_of_two():
     assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65, 128)] == [1, 2, 4, 4, 8, 8, 16, 64, 128, 128]
 
 
+def _seconds(rows: int, lanes: bool, speed: dict[bool, float]) -> float:
+    return rows * (3 if lanes else 1) / speed[lanes]
+
+
 @pytest.mark.parametrize("lanes_faster", [True, False])
 def test_tries_both_then_runs_the_faster(lanes_faster):
-    policy = LanePolicy(trial=4, recheck=50)
+    policy = LanePolicy(trial=4, recheck=50, budget=1.0)  # a budget this loose: re-checks every 50 decisions
     speed = {True: 300.0, False: 100.0} if lanes_faster else {True: 40.0, False: 100.0}
     chosen = _run(policy, rows=1, steps=200, speed=speed)
     assert chosen[:8] == [True] * 4 + [False] * 4  # the trials
     after = chosen[8:]
-    # the faster mode, except re-checks of the other (trial steps): after 50 decisions, then (confirmed)
-    # after 100 more
-    assert after.count(lanes_faster) == len(after) - 4 * 2
+    # the faster mode, except re-checks of the other: 4 trial steps after every 50 decisions (192 steps
+    # after the trials: 50 decisions, a re-check of 4, 50 more, ...)
+    assert after.count(lanes_faster) == len(after) - 4 * 3
+    assert after[:54] == [lanes_faster] * 50 + [not lanes_faster] * 4
     assert policy.describe()[1] == {"lanes": speed[True], "plain": speed[False]}
 
 
@@ -47,24 +52,53 @@ def test_each_batch_size_bucket_decides_for_itself():
 def test_a_recheck_follows_a_change():
     """Acceptance drops (new text): lanes were faster, then measure slower and plain takes over, lanes
     getting only their re-check trials; when lanes speed up again, a re-check brings them back."""
-    policy = LanePolicy(trial=3, recheck=20)
+    policy = LanePolicy(trial=3, recheck=20, budget=1.0)
     _run(policy, rows=2, steps=40, speed={True: 300.0, False: 100.0})
     assert policy.lanes(2) is True
     chosen = _run(policy, rows=2, steps=60, speed={True: 50.0, False: 100.0})
     assert chosen[-40:].count(True) <= 2 * 3
-    # re-checks that confirm plain decoding come ever later (up to 4 x recheck), then one brings lanes back
-    chosen = _run(policy, rows=2, steps=120, speed={True: 400.0, False: 100.0})
+    chosen = _run(policy, rows=2, steps=60, speed={True: 400.0, False: 100.0})
     assert chosen[-20:].count(False) <= 3  # at most one re-check trial of plain decoding
 
 
-def test_confirmed_rechecks_come_less_often():
-    """Lanes stay slower: every re-check costs ``trial`` lane steps; confirmed ones are spaced 2x, then
-    4x the base pace, so 1,000 steps take 5 re-checks where a fixed pace would take 15."""
-    policy = LanePolicy(trial=4, recheck=64)
-    chosen = _run(policy, rows=64, steps=1000, speed={True: 500.0, False: 2000.0})
+@pytest.mark.parametrize("lanes_speed", [1900.0, 1500.0, 1000.0, 500.0])
+def test_rechecks_cost_at_most_the_budget(lanes_speed):
+    """Lanes stay slower (64 requests, compute-bound): every re-check costs its trial's lane steps
+    against the plain steps that would have committed the same tokens. The policy spaces re-checks so
+    that this stays under ``budget`` of the engine time -- the more lanes lose, the rarer they come --
+    but never more often than every ``recheck`` decisions, and it keeps re-checking."""
+    budget, speed = 0.01, {True: lanes_speed, False: 2000.0}
+    policy = LanePolicy(trial=4, recheck=256, budget=budget)
+    chosen = _run(policy, rows=64, steps=6000, speed=speed)
     assert chosen[:8] == [True] * 4 + [False] * 4
-    lane_steps = chosen[8:].count(True)
-    assert lane_steps == 5 * 4, lane_steps
+    after = chosen[8:]
+    lane_steps = after.count(True)
+    spent = sum(_seconds(64, lanes, speed) for lanes in after)
+    plain_equivalent = (lane_steps * 3 * 64 + after.count(False) * 64) / speed[False]
+    assert spent - plain_equivalent <= budget * spent
+    assert lane_steps >= 4 and lane_steps % 4 == 0  # whole trials, at least one
+    runs = [len(r) for r in "".join("L" if x else "P" for x in after).split("LLLL")]
+    assert min(runs[:-1]) >= 256, runs
+
+
+def test_a_warmup_is_a_trial_step_not_the_lanes_rate():
+    """The first lane step after plain steps restarts every pipeline (one token per request after R
+    recurrent steps): it takes a trial step but not the lanes' rate, which steady steps give; a trial
+    of warm-ups alone still ends, with the warm-ups' rate."""
+    policy = LanePolicy(trial=4, recheck=1000)
+    samples = [StepSample(True, 8, 8, 0.04, warmup=True)] + [StepSample(True, 8, 24, 0.03)] * 3
+    for sample in samples:
+        assert policy.lanes(8) is True
+        policy.observe(sample)
+    assert policy.describe()[8]["lanes"] == 800.0  # 24 tokens / 0.03 s: the warm-up's 200 tokens/s left out
+    assert policy.lanes(8) is False  # plain's trial next: the lanes' trial took 4 steps, warm-up included
+    policy.observe(StepSample(True, 8, 24, 0.03, warmup=True))  # a warm-up later on (a new request joined)
+    assert policy.describe()[8]["lanes"] == 800.0
+    only = LanePolicy(trial=2, recheck=1000)
+    for _ in range(2):
+        assert only.lanes(3) is True
+        only.observe(StepSample(True, 3, 3, 0.01, warmup=True))
+    assert only.lanes(3) is False and only.describe()[4]["lanes"] == 300.0
 
 
 def test_on_always_runs_lanes_and_bad_modes_are_refused():
@@ -83,7 +117,8 @@ def test_a_pattern_fixes_the_decisions_for_tests():
 
 def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     """A lane step that captured a lane CUDA graph, and the last step of a pipelined run (no time
-    given), are not throughput samples; an ordinary lane or plain decode step is."""
+    given), are not throughput samples; an ordinary lane or plain decode step is, and a lane step in
+    which most rows had just started their lanes is a warm-up."""
     from types import SimpleNamespace
 
     from vllm_loop.loopspec.metrics import EngineCounters
@@ -98,5 +133,7 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     lane_step = EngineCounters(lane_steps=1)
     assert step_sample(so(True), out, lane_step, 0.01) == StepSample(lanes=True, rows=2, tokens=3, seconds=0.01)
     assert step_sample(so(True), out, EngineCounters(lane_steps=1, graph_captures=2), 0.01) is None
+    assert step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=2), 0.01).warmup
+    assert not step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=1), 0.01).warmup
     assert step_sample(so(False), SimpleNamespace(sampled_token_ids=[[1], [3]]), None, 0.01).tokens == 2
     assert step_sample(so(False), out, None, None) is None

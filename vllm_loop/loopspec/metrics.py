@@ -202,6 +202,7 @@ class EngineCounters:
     # steps that first waited for the steps in flight to finish (a barrier)
     pipelined_steps: int = 0
     drains: int = 0
+    warmup_rows: int = 0  # lane-step rows whose lanes had just (re)started: nothing to commit early
     graph_captures: int = 0  # lane CUDA graphs captured during steps (their first call of a shape bucket)
     lane_step_seconds: float = 0.0  # the runner's wall time in lane steps (their GPU work included)
 

@@ -9,16 +9,23 @@ second of engine time), kept per batch-size bucket (powers of two), because what
 request may not at 64.
 
 A bucket first runs ``trial`` lane steps, then ``trial`` plain steps, then the faster of the two;
-after ``recheck`` steps the other mode gets ``trial`` steps again (acceptance follows the text, and
-the batch the load). A re-check that confirms the choice doubles the wait for the next one (up to 4x
-``recheck``), and any change of choice resets it: at 64-128 requests a lane trial costs as much as
-many plain steps, and re-checking at a fixed pace cost ~4 % there on the H200 (benchmarks/RESULTS.md).
-``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one process), so every
-tensor-parallel rank follows the same one.
+now and then the other mode gets ``trial`` steps again (acceptance follows the text, and the batch
+the load). A re-check costs what the slower mode loses against the faster over its trial steps, plus
+the warm-up below; the next one comes ``recheck`` decisions later, or later still if that is what
+keeps re-checks under ``budget`` of the bucket's engine time (at most 16 x ``recheck``). At 64-128
+requests on the H200 a lane trial costs as much as ~7 plain steps, and re-checking every 256-1,024
+steps was what kept LoopSpec below vanilla there (benchmarks/RESULTS.md, ninth run).
+
+A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is
+a *warm-up*: every pipeline is empty, so each request commits one token after R recurrent steps.
+It counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
+re-check budget pays -- unless a trial saw nothing else. ``lanes="on"`` always runs lanes. The
+decision is taken in the scheduler (one process), so every tensor-parallel rank follows the same one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 LANES_MODES = ("auto", "on")
@@ -31,20 +38,23 @@ PATTERN_ENV = "VLLM_LOOP_LANES_PATTERN"
 @dataclass
 class StepSample:
     """One decode-only engine step: which mode ran it, its decode rows, the tokens they committed
-    and the engine time it took (schedule + execute + update)."""
+    and the engine time it took (schedule + execute + update); a lane step may be a warm-up."""
 
     lanes: bool
     rows: int
     tokens: int
     seconds: float
+    warmup: bool = False
 
 
 @dataclass
 class _Bucket:
     rate: dict[bool, float] = field(default_factory=dict)  # lanes? -> tokens/s (moving average)
-    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    step_s: dict[bool, float] = field(default_factory=dict)  # lanes? -> seconds per step (moving average)
+    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # samples in this trial
+    steady: bool = False  # the lanes' rate comes from a steady (not warm-up) sample of this trial
+    warmup: tuple[float, int] | None = None  # the last warm-up lane step: seconds, tokens
     steps: int = 0  # decisions taken after both trials
-    wait: int = 0  # decisions from one re-check to the next (0: not set yet)
     next_check: int = 0
     rechecking: bool = False  # the other mode is on trial again
     last: bool | None = None  # the last choice
@@ -59,12 +69,12 @@ def bucket_of(rows: int) -> int:
 
 class LanePolicy:
     def __init__(self, mode: str = "auto", trial: int = 4, recheck: int = 256, smoothing: float = 0.3,
-                 pattern: str | None = None):
+                 budget: float = 0.005, pattern: str | None = None):
         if mode not in LANES_MODES:
             raise ValueError(f"lanes={mode!r}: allowed values: {', '.join(LANES_MODES)}")
         if pattern is not None and (not pattern or set(pattern) - {"L", "P"}):
             raise ValueError(f"{PATTERN_ENV}={pattern!r}: a non-empty string of L (lanes) and P (plain)")
-        self.mode, self.trial, self.recheck, self.smoothing = mode, trial, recheck, smoothing
+        self.mode, self.trial, self.recheck, self.smoothing, self.budget = mode, trial, recheck, smoothing, budget
         self.buckets: dict[int, _Bucket] = {}
         self.pattern, self.decisions = pattern, 0
 
@@ -81,11 +91,8 @@ class LanePolicy:
                 return mode
         b.steps += 1
         best = b.best()
-        if b.wait == 0 or best != b.last:  # first choice, or a change: re-check at the base pace
-            b.wait, b.next_check = self.recheck, b.steps + self.recheck
-        elif b.rechecking:  # a re-check just confirmed the choice: wait longer for the next
-            b.wait = min(2 * b.wait, 4 * self.recheck)
-            b.next_check = b.steps + b.wait
+        if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan the next re-check
+            b.next_check = b.steps + self.wait(b, best)
         b.rechecking, b.last = False, best
         if b.steps >= b.next_check:  # start a re-measurement of the other mode
             b.rechecking = True
@@ -93,16 +100,35 @@ class LanePolicy:
             return not best
         return best
 
+    def wait(self, b: _Bucket, best: bool) -> int:
+        """Decisions until the next re-check of the mode that is not ``best``: ``recheck``, or more
+        where a re-check would otherwise cost over ``budget`` of the time ``best`` runs meanwhile."""
+        other = not best
+        if b.rate[best] <= 0:
+            return self.recheck
+        cost = self.trial * b.step_s[other] * max(0.0, 1.0 - b.rate[other] / b.rate[best])
+        if b.warmup is not None:  # lanes go on trial, or come back after plain's: one warm-up step
+            seconds, tokens = b.warmup
+            cost += max(0.0, seconds - tokens / b.rate[best])
+        return min(max(self.recheck, math.ceil(cost / (self.budget * b.step_s[best]))), 16 * self.recheck)
+
     def observe(self, sample: StepSample) -> None:
         if sample.seconds <= 0 or sample.rows <= 0:
             return
         b = self.buckets.setdefault(bucket_of(sample.rows), _Bucket())
-        rate = sample.tokens / sample.seconds
-        old = b.rate.get(sample.lanes)
-        # a fresh trial replaces the old estimate; later samples of it are averaged in
-        fresh = b.seen[sample.lanes] == 0
-        b.rate[sample.lanes] = rate if old is None or fresh else old + self.smoothing * (rate - old)
-        b.seen[sample.lanes] += 1
+        mode, rate = sample.lanes, sample.tokens / sample.seconds
+        fresh = b.seen[mode] == 0  # a fresh trial replaces the old estimate; later samples are averaged in
+        b.seen[mode] += 1
+        if mode and sample.warmup:
+            b.warmup = (sample.seconds, sample.tokens)
+            if not fresh:
+                return  # the switch's price, not the lanes' rate
+            b.steady = False  # a stand-in, until a steady sample of this trial replaces it
+        elif mode:
+            fresh, b.steady = fresh or not b.steady, True
+        for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
+            old = values.get(mode)
+            values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
 
     def describe(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each mode (for logs and tests)."""

@@ -92,6 +92,7 @@ class _Live:
 
     req_id: str
     pipe: RequestPipeline
+    fresh: bool = True  # its lanes were (re)started after vLLM's step and have not run a lane step yet
 
 
 @dataclass(eq=False)
@@ -171,6 +172,9 @@ class LoopSpecRunner:
         before = self._pipeline_stats()
         captured = 0 if self.graphs is None else self.graphs.captured
         rows = self._rows(runner, scheduler_output)
+        for row in rows:  # for the lanes policy: a step of mostly fresh pipelines is a warm-up
+            self._step.warmup_rows += row.live.fresh
+            row.live.fresh = False
         with torch.inference_mode(), record_function("loopspec.lane_step"):
             steps = 0
             while self._more_steps(rows, steps):
@@ -235,6 +239,7 @@ class LoopSpecRunner:
                 if self._follow(live, tokens, position):
                     continue
             self._free(live.pipe.clear())
+            live.fresh = True
             row = _Row(live, runner.input_batch.req_id_to_index[req_id], 0, state)
             starts.append((row, live.pipe.start(tokens[-1], position)))
         if counted:

@@ -62,9 +62,10 @@ def loopspec_spec_stats(step: EngineCounters, num_spec_tokens: int) -> SpecDecod
 
 
 def step_sample(so, output, step: EngineCounters | None, seconds: float | None) -> StepSample | None:
-    """A policy sample from a finished step that ran in the mode the policy chose for it: a lane step,
-    or a plain step of decode rows with no drafts. Other steps (a prefill joined, a chain verified as
-    drafts) say little about either mode's speed."""
+    """A policy sample from a finished step that ran in the mode the policy chose for it: a lane step
+    (a warm-up when most of its rows had just started their lanes), or a plain step of decode rows
+    with no drafts. Other steps (a prefill joined, a chain verified as drafts) say little about either
+    mode's speed."""
     lanes = getattr(so, "loopspec_lanes", True)
     if seconds is None or output is None or not so.num_scheduled_tokens or not getattr(output, "sampled_token_ids", None):
         return None
@@ -76,7 +77,9 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None) 
           or any(n != 1 for n in so.num_scheduled_tokens.values())):
         return None
     tokens = sum(len(t) for t in output.sampled_token_ids)
-    return StepSample(lanes=lanes, rows=len(so.num_scheduled_tokens), tokens=tokens, seconds=seconds)
+    rows = len(so.num_scheduled_tokens)
+    return StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=seconds,
+                      warmup=lanes and 2 * step.warmup_rows > rows)
 
 
 # The engine core publishes its LoopSpec totals to a file the front end's /metrics reads. Writing it
