@@ -19,7 +19,10 @@ steps was what kept LoopSpec below vanilla there (benchmarks/RESULTS.md, ninth r
 A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is
 a *warm-up*: every pipeline is empty, so each request commits one token after R recurrent steps.
 It counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
-re-check budget pays -- unless a trial saw nothing else. ``lanes="on"`` always runs lanes. The
+re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is clearly
+slower than the other mode ends there. The choice changes only on rates measured side by side (a
+trial or re-check): when the running mode falls below the other's older rate, the other is
+re-checked first, since both slow down as contexts grow. ``lanes="on"`` always runs lanes. The
 decision is taken in the scheduler (one process), so every tensor-parallel rank follows the same one.
 """
 
@@ -33,6 +36,10 @@ LANES_MODES = ("auto", "on")
 # measured ones, so that a test can force every transition. An environment variable because the
 # policy lives in the engine-core process; it is not part of vLLM's compile hash.
 PATTERN_ENV = "VLLM_LOOP_LANES_PATTERN"
+# A trial ends after its first steady sample when that shows the mode below this share of the other's
+# rate: at 64-128 requests on the H200 each further lane step of a trial costs ~1.5 plain steps' time
+# more than plain decoding would (benchmarks/RESULTS.md, ninth run).
+EARLY_END = 0.75
 
 
 @dataclass
@@ -91,6 +98,11 @@ class LanePolicy:
                 return mode
         b.steps += 1
         best = b.best()
+        if b.last is not None and best != b.last and not b.rechecking:
+            # the running mode fell below the other's older rate: both modes slow down as contexts grow,
+            # so measure the other again (a re-check) rather than switch on a stale figure
+            b.rechecking, b.seen[best] = True, 0
+            return best
         if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan the next re-check
             b.next_check = b.steps + self.wait(b, best)
         b.rechecking, b.last = False, best
@@ -106,7 +118,9 @@ class LanePolicy:
         other = not best
         if b.rate[best] <= 0:
             return self.recheck
-        cost = self.trial * b.step_s[other] * max(0.0, 1.0 - b.rate[other] / b.rate[best])
+        share = b.rate[other] / b.rate[best]
+        steps = 1 if share < EARLY_END else self.trial  # a clearly slower mode's trial ends early
+        cost = steps * b.step_s[other] * max(0.0, 1.0 - share)
         if b.warmup is not None:  # lanes go on trial, or come back after plain's: one warm-up step
             seconds, tokens = b.warmup
             cost += max(0.0, seconds - tokens / b.rate[best])
@@ -129,6 +143,8 @@ class LanePolicy:
         for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
             old = values.get(mode)
             values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
+        if fresh and rate < EARLY_END * b.rate.get(not mode, 0.0):
+            b.seen[mode] = max(b.seen[mode], self.trial)  # clearly the slower: its trial ends here
 
     def describe(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each mode (for logs and tests)."""
