@@ -158,3 +158,11 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     assert not step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=1), 0.01).warmup
     assert step_sample(so(False), SimpleNamespace(sampled_token_ids=[[1], [3]]), None, 0.01).tokens == 2
     assert step_sample(so(False), out, None, None) is None
+
+
+def test_lanes_must_beat_plain_by_a_margin():
+    """Lanes 5 % faster than plain steps are not worth their switching costs (unseen by the samples);
+    20 % faster are."""
+    close, clear = LanePolicy(trial=2, recheck=1000), LanePolicy(trial=2, recheck=1000)
+    assert _run(close, rows=64, steps=30, speed={True: 1050.0, False: 1000.0})[4:] == [False] * 26
+    assert _run(clear, rows=64, steps=30, speed={True: 1200.0, False: 1000.0})[4:] == [True] * 26

@@ -16,7 +16,7 @@ keeps re-checks under ``budget`` of the bucket's engine time (at most 16 x ``rec
 requests on the H200 a lane trial costs as much as ~7 plain steps, and re-checking every 256-1,024
 steps was what kept LoopSpec below vanilla there (benchmarks/RESULTS.md, ninth run).
 
-A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is
+Lanes must beat plain decoding by ``LANES_MARGIN`` to be chosen. A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is
 a *warm-up*: every pipeline is empty, so each request commits one token after R recurrent steps.
 It counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
 re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is clearly
@@ -40,6 +40,12 @@ PATTERN_ENV = "VLLM_LOOP_LANES_PATTERN"
 # rate: at 64-128 requests on the H200 each further lane step of a trial costs ~1.5 plain steps' time
 # more than plain decoding would (benchmarks/RESULTS.md, ninth run).
 EARLY_END = 0.75
+# Lanes run only where they have measured this much faster than plain decoding. Switching to lanes pays
+# costs no sample sees: under async scheduling the drain before a lanes-mode step and the unpipelined
+# plain step after one, and the step that restarts every pipeline. At 64 requests on the H200 lanes
+# measured about even with plain steps and ran for half the tokens, and the run came out at 0.92x
+# vanilla (benchmarks/RESULTS.md, tenth run).
+LANES_MARGIN = 1.1
 
 
 @dataclass
@@ -67,7 +73,7 @@ class _Bucket:
     last: bool | None = None  # the last choice
 
     def best(self) -> bool:
-        return self.rate[True] >= self.rate[False]
+        return self.rate[True] > LANES_MARGIN * self.rate[False]
 
 
 def bucket_of(rows: int) -> int:
