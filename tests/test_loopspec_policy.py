@@ -93,13 +93,25 @@ def test_rechecks_cost_at_most_the_budget(lanes_speed):
     assert min(runs[:-1], default=256) >= 256, runs
 
 
-def test_the_running_mode_falling_behind_an_older_rate_brings_a_recheck_not_a_switch():
-    """Plain steps slow down as contexts grow; the lanes' rate was measured at the start. The policy
-    re-measures lanes before switching: here they have slowed down as well, and plain stays."""
-    policy = LanePolicy(trial=4, recheck=1000)
+def test_plain_falling_behind_the_lanes_older_rate_waits_for_the_budgeted_recheck():
+    """Plain steps slow down as contexts grow; the lanes' rate was measured at the start, and lanes slow
+    down faster. No lane step until the planned re-check, which finds them slower still."""
+    policy = LanePolicy(trial=4, recheck=100, budget=1.0)
     _run(policy, rows=64, steps=20, speed={True: 1500.0, False: 2000.0})
-    chosen = _run(policy, rows=64, steps=40, speed={True: 600.0, False: 1000.0})  # longer contexts
-    assert chosen.count(True) == 1 and chosen[-20:] == [False] * 20  # one re-check step of lanes
+    chosen = _run(policy, rows=64, steps=150, speed={True: 600.0, False: 1000.0})  # longer contexts
+    assert 0 < chosen.index(True) and chosen.count(True) == 1  # the re-check (ended after one step)
+    assert chosen.index(True) >= 100 - 12  # at its planned time, not when plain fell behind
+    assert policy.describe()[64] == {"lanes": 600.0, "plain": 1000.0}
+
+
+def test_lanes_falling_behind_plains_older_rate_bring_a_plain_recheck():
+    """Lanes ran (short contexts); as contexts grow they fall below the rate plain steps had at the
+    start. Plain is measured again at once, and takes over only if it is faster now."""
+    policy = LanePolicy(trial=4, recheck=1000)
+    _run(policy, rows=64, steps=20, speed={True: 3000.0, False: 2000.0})
+    chosen = _run(policy, rows=64, steps=40, speed={True: 900.0, False: 1500.0})
+    assert chosen[:2] == [True, True]  # the lanes' estimate falls below 2000 while they run
+    assert chosen[-20:] == [False] * 20 and policy.describe()[64]["plain"] == 1500.0
 
 
 def test_a_warmup_is_a_trial_step_not_the_lanes_rate():

@@ -21,8 +21,9 @@ a *warm-up*: every pipeline is empty, so each request commits one token after R 
 It counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
 re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is clearly
 slower than the other mode ends there. The choice changes only on rates measured side by side (a
-trial or re-check): when the running mode falls below the other's older rate, the other is
-re-checked first, since both slow down as contexts grow. ``lanes="on"`` always runs lanes. The
+trial or re-check), since both modes slow down as contexts grow: when lanes fall below plain's older
+rate, plain is re-checked at once; when plain falls below the lanes' older rate, nothing happens until
+the budgeted re-check -- lanes slow down faster with context than plain steps do. ``lanes="on"`` always runs lanes. The
 decision is taken in the scheduler (one process), so every tensor-parallel rank follows the same one.
 """
 
@@ -105,10 +106,13 @@ class LanePolicy:
         b.steps += 1
         best = b.best()
         if b.last is not None and best != b.last and not b.rechecking:
-            # the running mode fell below the other's older rate: both modes slow down as contexts grow,
-            # so measure the other again (a re-check) rather than switch on a stale figure
-            b.rechecking, b.seen[best] = True, 0
-            return best
+            if b.last:  # lanes fell below plain's older rate: measure plain again, then decide
+                b.rechecking, b.seen[False] = True, 0
+                return False
+            # plain fell below the lanes' older rate: contexts grew, and lanes slow down faster than plain
+            # steps (each of a request's lanes reads the whole context), so the lanes' figure is stale
+            # in their favour; they get their budgeted re-check, not an early one
+            best = False
         if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan the next re-check
             b.next_check = b.steps + self.wait(b, best)
         b.rechecking, b.last = False, best
