@@ -127,6 +127,14 @@ def test_a_warmup_is_a_trial_step_not_the_lanes_rate():
     assert policy.lanes(8) is False  # plain's trial next: the lanes' trial took 4 steps, warm-up included
     policy.observe(StepSample(True, 8, 24, 0.03, warmup=True))  # a warm-up later on (a new request joined)
     assert policy.describe()[8]["lanes"] == 800.0
+    # a re-check of lanes (plain ran): its warm-up is slow, which does not end the re-check early
+    recheck = LanePolicy(trial=4, recheck=1, budget=1e9)  # re-check as soon as allowed
+    _run(recheck, rows=1, steps=9, speed={True: 100.0, False: 200.0})  # trials: plain chosen
+    assert recheck.lanes(1) is True  # the re-check (every decision, recheck=1)
+    recheck.observe(StepSample(True, 1, 1, 0.02, warmup=True))  # 50 tokens/s
+    assert recheck.lanes(1) is True  # still on trial: a steady step decides
+    recheck.observe(StepSample(True, 1, 5, 0.01))  # 500 tokens/s
+    assert recheck.describe()[1]["lanes"] == 500.0
     only = LanePolicy(trial=2, recheck=1000)
     for _ in range(2):
         assert only.lanes(3) is True

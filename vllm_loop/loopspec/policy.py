@@ -8,23 +8,28 @@ choice only moves speed; it is made from measured engine-step throughput (commit
 second of engine time), kept per batch-size bucket (powers of two), because what pays at one
 request may not at 64.
 
-A bucket first runs ``trial`` lane steps, then ``trial`` plain steps, then the faster of the two;
-now and then the other mode gets ``trial`` steps again (acceptance follows the text, and the batch
-the load). A re-check costs what the slower mode loses against the faster over its trial steps, plus
-the warm-up below; the next one comes ``recheck`` decisions later, or later still if that is what
-keeps re-checks under ``budget`` of the bucket's engine time (at most 16 x ``recheck``). At 64-128
-requests on the H200 a lane trial costs as much as ~7 plain steps, and re-checking every 256-1,024
-steps was what kept LoopSpec below vanilla there (benchmarks/RESULTS.md, ninth run).
+A bucket first runs ``trial`` lane steps, then ``trial`` plain steps, then the faster of the two --
+lanes only if they measured ``LANES_MARGIN`` times faster; now and then the other mode gets ``trial``
+steps again (acceptance follows the text, and the batch the load). A re-check costs what the slower
+mode loses against the faster over its trial steps, plus the warm-up below; the next one comes
+``recheck`` decisions later, or later still if that is what keeps re-checks under ``budget`` of the
+bucket's engine time (at most 16 x ``recheck``). At 64-128 requests on the H200 a lane trial costs
+as much as ~7 plain steps, and re-checking every 256-1,024 steps was what kept LoopSpec below vanilla
+there (benchmarks/RESULTS.md, ninth run).
 
-Lanes must beat plain decoding by ``LANES_MARGIN`` to be chosen. A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is
-a *warm-up*: every pipeline is empty, so each request commits one token after R recurrent steps.
-It counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
-re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is clearly
-slower than the other mode ends there. The choice changes only on rates measured side by side (a
-trial or re-check), since both modes slow down as contexts grow: when lanes fall below plain's older
-rate, plain is re-checked at once; when plain falls below the lanes' older rate, nothing happens until
-the budgeted re-check -- lanes slow down faster with context than plain steps do. ``lanes="on"`` always runs lanes. The
-decision is taken in the scheduler (one process), so every tensor-parallel rank follows the same one.
+A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is a
+*warm-up*: every pipeline is empty, so each request commits one token after R recurrent steps. It
+counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
+re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is
+clearly slower than the other mode ends there.
+
+The choice changes only on rates measured side by side (a trial or re-check), because both modes
+slow down as contexts grow: when running lanes fall below plain's older rate, plain is re-checked at
+once; when plain falls below the lanes' older rate, nothing happens until the planned re-check, since
+lanes slow down faster with context (each of a request's lanes reads the whole context).
+
+``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one process), so every
+tensor-parallel rank follows the same one.
 """
 
 from __future__ import annotations
@@ -153,8 +158,9 @@ class LanePolicy:
         for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
             old = values.get(mode)
             values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
-        if fresh and rate < EARLY_END * b.rate.get(not mode, 0.0):
-            b.seen[mode] = max(b.seen[mode], self.trial)  # clearly the slower: its trial ends here
+        # clearly the slower: its trial ends here (not on a warm-up, which is slow whatever lanes can do)
+        if fresh and not (mode and sample.warmup) and rate < EARLY_END * b.rate.get(not mode, 0.0):
+            b.seen[mode] = max(b.seen[mode], self.trial)
 
     def describe(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each mode (for logs and tests)."""
