@@ -147,6 +147,8 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
     # the lanes did the decoding, and requests joined while others were decoding
     assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["full"] > 100
     assert totals["standard_steps"] > 0, "no prefill joined running lane requests"
+    # a request's first lane step after its prefill finds its lanes fresh (a warm-up row for the policy)
+    assert totals["warmup_rows"] > 0
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
     if spec.get("d2") and "agree" not in case:
         assert totals["second_verified"] > 0
