@@ -111,13 +111,13 @@ class LanePolicy:
         b.steps += 1
         best = b.best()
         if b.last is not None and best != b.last and not b.rechecking:
-            if b.last:  # lanes fell below plain's older rate: measure plain again, then decide
-                b.rechecking, b.seen[False] = True, 0
-                return False
-            # plain fell below the lanes' older rate: contexts grew, and lanes slow down faster than plain
-            # steps (each of a request's lanes reads the whole context), so the lanes' figure is stale
-            # in their favour; they get their budgeted re-check, not an early one
-            best = False
+            # the running mode fell below the other's older rate, a figure from shorter contexts: keep
+            # running it until the other is measured again -- at once if lanes fell behind; if plain did,
+            # at the planned re-check, since lanes slow down faster with context (each of a request's
+            # lanes reads the whole context), so their older figure flatters them
+            best = b.last
+            if best:
+                b.next_check = b.steps
         if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan the next re-check
             b.next_check = b.steps + self.wait(b, best)
         b.rechecking, b.last = False, best
@@ -148,7 +148,7 @@ class LanePolicy:
         mode, rate = sample.lanes, sample.tokens / sample.seconds
         fresh = b.seen[mode] == 0  # a fresh trial replaces the old estimate; later samples are averaged in
         b.seen[mode] += 1
-        if mode and sample.warmup:
+        if sample.warmup:  # (lane steps only)
             b.warmup = (sample.seconds, sample.tokens)
             if not fresh:
                 return  # the switch's price, not the lanes' rate
@@ -159,7 +159,7 @@ class LanePolicy:
             old = values.get(mode)
             values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
         # clearly the slower: its trial ends here (not on a warm-up, which is slow whatever lanes can do)
-        if fresh and not (mode and sample.warmup) and rate < EARLY_END * b.rate.get(not mode, 0.0):
+        if fresh and not sample.warmup and rate < EARLY_END * b.rate.get(not mode, 0.0):
             b.seen[mode] = max(b.seen[mode], self.trial)
 
     def describe(self) -> dict[int, dict[str, float]]:
