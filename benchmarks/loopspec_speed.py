@@ -26,6 +26,9 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
   on a GPU with async scheduling: plain steps pipelined, lanes-mode steps as barriers);
 * ``loopspec-auto-sync`` -- the same with ``async_scheduling=False`` (how every LoopSpec engine
   scheduled before 2026-12-01);
+* ``loopspec-serial`` / ``loopspec-auto-serial`` -- ``loopspec`` / ``loopspec-auto`` with
+  ``"lane_overlap": "off"``: each recurrent step of a lane step enqueued only after the host has
+  decided the one before (how every lane step ran before 2026-12-02);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
@@ -78,8 +81,8 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 # (benchmarks/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
 SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec", "loopspec-auto", "loopspec-auto-sync",
-           "loopspec-auto-fused", "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused",
-           "loopspec-triton-fused", "in-tree")
+           "loopspec-serial", "loopspec-auto-serial", "loopspec-auto-fused", "loopspec-nographs", "loopspec-torch",
+           "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -123,6 +126,8 @@ def _start(args, system: str, max_num_seqs: int):
         spec = json.loads(args.spec)
         spec["lanes"] = "auto" if system.startswith("loopspec-auto") else "on"
         kw["speculative_config"] = spec
+    if system.endswith("-serial"):
+        kw["speculative_config"]["lane_overlap"] = "off"
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):
@@ -366,7 +371,9 @@ def main() -> int:
                         "lanes_per_step": round(ls["lanes_per_step"], 2),
                         # per long run: where a LoopSpec engine's steps went
                         "lane_steps": n["lane_steps"] / args.runs, "plain_steps": n["plain_steps"] / args.runs,
-                        "drains": n["drains"] / args.runs,
+                        "drains": n["drains"] / args.runs, "recurrent_steps": n["recurrent_steps"] / args.runs,
+                        "overlap_wasted": n["overlap_wasted"] / args.runs,
+                        "overlap_lagged": n["overlap_lagged"] / args.runs,
                         "lane_step_s": round(n["lane_step_seconds"] / args.runs, 3)}
             table.append(row)
     for res in results.values():

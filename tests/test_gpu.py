@@ -167,9 +167,11 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
 }
-LANE_GRAPHS = [("ouro-1:2", "auto", "torch"), ("ouro-agree-1:2", "auto", "torch"), ("ouro-agree-1:2", "off", "torch"),
-               ("raven-olmo2-R32-2:8", "auto", "torch"), ("raven-olmo2-R32-2:8", "off", "torch"),
-               ("ouro-agree-1:2", "auto", "triton"), ("raven-olmo2-R32-2:8", "auto", "triton")]
+# (checkpoint, lane_graphs, lane_attention, lane_overlap)
+LANE_GRAPHS = [("ouro-1:2", "auto", "torch", "auto"), ("ouro-agree-1:2", "auto", "torch", "auto"),
+               ("ouro-agree-1:2", "off", "torch", "auto"), ("raven-olmo2-R32-2:8", "auto", "torch", "auto"),
+               ("raven-olmo2-R32-2:8", "off", "torch", "auto"), ("ouro-agree-1:2", "auto", "triton", "auto"),
+               ("raven-olmo2-R32-2:8", "auto", "triton", "auto"), ("ouro-agree-1:2", "auto", "triton", "off")]
 
 
 def _captured_lane_graphs(worker) -> int:
@@ -177,11 +179,12 @@ def _captured_lane_graphs(worker) -> int:
     return -1 if graphs is None else graphs.captured
 
 
-@pytest.mark.parametrize("name, graphs, attention", LANE_GRAPHS,
-                         ids=[f"{n}-graphs-{g}-{a}" for n, g, a in LANE_GRAPHS])
-def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention):
+@pytest.mark.parametrize("name, graphs, attention, overlap", LANE_GRAPHS,
+                         ids=[f"{n}-graphs-{g}-{a}-overlap-{o}" for n, g, a, o in LANE_GRAPHS])
+def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention, overlap):
     """fp32, vLLM's default compilation and CUDA graphs; lane calls replayed from CUDA graphs
-    (``lane_graphs`` auto) or eager (off), lane attention in PyTorch or the Triton kernel: 16
+    (``lane_graphs`` auto) or eager (off), lane attention in PyTorch or the Triton kernel, recurrent
+    steps overlapped with the host's decisions or not: 16
     requests arriving while others decode; LoopSpec == the
     reference token for token (so graphs on == off == vanilla, which equals the reference:
     the parity tests above); nothing leaks."""
@@ -192,7 +195,8 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     family, options, overrides, spec = LOOPSPEC[name]
     path = ckpt_factory(family, options=options, **overrides)
     with worker_functions():  # collective_rpc(lane_census) below
-        llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs, "lane_attention": attention},
+        llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs, "lane_attention": attention,
+                                                          "lane_overlap": overlap},
                         max_model_len=128, block_size=16)
         try:
             assert llm.llm_engine.vllm_config.compilation_config.mode.name == "VLLM_COMPILE"
@@ -208,9 +212,11 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     assert totals.lane_steps > 0 and totals.standard_steps > 0
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
     assert (captured > 0) if graphs == "auto" else (captured == -1), captured
-    print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured), lane attention {attention}: "
-          f"16 staggered requests identical "
-          f"to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
+    overlapped = totals.overlap_wasted + totals.overlap_lagged
+    assert (overlapped > 0) if overlap == "auto" else (overlapped == 0), totals
+    print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured), lane attention {attention}, overlap "
+          f"{overlap} ({totals.overlap_wasted} rows wasted, {totals.overlap_lagged} lanes lagged): 16 staggered "
+          f"requests identical to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
 
 
 ASYNC_CASES = [  # (checkpoint of LOOPSPEC, lanes pattern: None = lanes "on" with --async-scheduling)

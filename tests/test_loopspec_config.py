@@ -48,7 +48,8 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert spec.num_speculative_tokens == 4  # ceil(R / d1)
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto", "async": "auto"}
+                                                  "lane_attention": "auto", "lane_overlap": "auto",
+                                                  "async": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -59,12 +60,14 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto", "async": "auto"}
+                                                  "lane_attention": "auto", "lane_overlap": "auto",
+                                                  "async": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
 BAD = [
-    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, lanes, lane_graphs, lane_attention"),
+    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, "
+                                         "lanes, lane_graphs, lane_attention, lane_overlap"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
     ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
@@ -79,6 +82,7 @@ BAD = [
     ({"method": "loopspec", "lane_graphs": True}, "lane_graphs=True is invalid; allowed values: 'auto', 'on', 'off'"),
     ({"method": "loopspec", "lane_attention": "flash"},
      "lane_attention='flash' is invalid; allowed values: 'auto', 'torch', 'triton'"),
+    ({"method": "loopspec", "lane_overlap": "on"}, "lane_overlap='on' is invalid; allowed values: 'auto', 'off'"),
 ]
 
 

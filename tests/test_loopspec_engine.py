@@ -81,6 +81,9 @@ GREEDY_CASES = {
     "ouro-1": ("ouro", {"method": "loopspec", "lanes": "on", "d1": 1}, {}),
     "ouro-1:2": ("ouro", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}, {}),
     "ouro-agree-1:2": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}, {}),
+    # each recurrent step decided before the next is enqueued (the overlap's way round, and sampling's)
+    "ouro-agree-1:2-no-overlap": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
+                                                 "lane_overlap": "off"}, {}),
     "ouro-1:2-chunked": ("ouro", {"method": "loopspec", "lanes": "on"}, {"max_num_batched_tokens": 16}),
     "raven-R8-2:4": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4}, {}),
     "raven-R8-2:4-no-prefix-cache": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4},
@@ -150,6 +153,11 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
     # a request's first lane step after its prefill finds its lanes fresh (a warm-up row for the policy)
     assert totals["warmup_rows"] > 0
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
+    # overlap (greedy: on unless "off"): the restarts of these checkpoints' rejections start a step late
+    if spec.get("lane_overlap") == "off":
+        assert totals["overlap_lagged"] == totals["overlap_wasted"] == 0
+    else:
+        assert totals["overlap_lagged"] > 0 and totals["overlap_wasted"] > 0, totals
     if spec.get("d2") and "agree" not in case:
         assert totals["second_verified"] > 0
     if options.get("enable_prefix_caching", True):

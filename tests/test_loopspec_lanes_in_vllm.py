@@ -163,10 +163,13 @@ def test_padded_lane_calls_equal_exact_ones(kind):
     scratch.kv.copy_(torch.randn(scratch.kv.shape, generator=g))
     scratch.states.copy_(torch.randn(scratch.states.shape, generator=g))
     model = _ToyLanes(g)
-    # (slot, position, depth, token, prefix) per row; ancestors; request of the row
-    lanes = [(1, 21, 2, 7, 20), (3, 5, 0, 9, 5), (5, 22, 1, 4, 20)]
+    # (slot, position, depth, token, prefix, source) per row; ancestors; request of the row. Row 1 takes its
+    # token from slot 6's last readout (a greedy child started on the device): the exact call names it.
+    scratch.readout[6] = 13
+    lanes = [(1, 21, 2, 7, 20, -1), (3, 5, 0, 0, 5, 6), (5, 22, 1, 4, 20, -1)]
+    named = [lanes[0], (3, 5, 0, 13, 5, -1), lanes[2]]
     ancestry, req = [[6, 2], [], [4]], [0, 1, 0]
-    exact = LaneBatch.pack(lanes, ancestry, table[req], rows=3, ancestors=2, context=20, pad_slot=scratch.pad_slot)
+    exact = LaneBatch.pack(named, ancestry, table[req], rows=3, ancestors=2, context=20, pad_slot=scratch.pad_slot)
     kv0, states0 = scratch.kv.clone(), scratch.states.clone()
     want = lane_call(model, paged, scratch, kind, exact.columns(), 2, 20)
     want_kv, want_states = scratch.kv.clone(), scratch.states.clone()
@@ -178,10 +181,11 @@ def test_padded_lane_calls_equal_exact_ones(kind):
     assert graphs.shape(3, 65) is None and graphs.shape(17, 20) is None  # past the table, past max_rows
     got = graphs(kind, LaneBatch.pack(lanes, ancestry, table[req], rows=rows, ancestors=7, context=ctx,
                                       pad_slot=scratch.pad_slot))
-    if kind == "logits":
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     real = [1, 3, 5]
+    if kind == "logits":
+        assert got[0].shape == want[0].shape
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1], got[0].argmax(-1)) and torch.equal(scratch.readout[real], got[1])
     torch.testing.assert_close(scratch.states[real], want_states[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(scratch.kv[:, real], want_kv[:, real], atol=1e-5, rtol=1e-5)
     others = [s for s in range(scratch.num_slots) if s not in real]  # lanes' slots untouched; pad slot aside
@@ -214,7 +218,7 @@ def test_lane_calls_take_vllms_c_rmsnorm_where_it_runs(monkeypatch):
     scratch = LaneScratch(S, 8, H, D, H * D, torch.float32, "cpu")
     model = _NormPriorityProbe(g)
     table = torch.tensor([[3, 1, 0, 0]]).numpy()
-    batch = LaneBatch.pack([(1, 3, 0, 7, 3)], [[]], table, rows=1, ancestors=0, context=3, pad_slot=scratch.pad_slot)
+    batch = LaneBatch.pack([(1, 3, 0, 7, 3, -1)], [[]], table, rows=1, ancestors=0, context=3, pad_slot=scratch.pad_slot)
     ops = (ir.ops.rms_norm, ir.ops.fused_add_rms_norm)
     before = [op.get_priority() for op in ops]
 
@@ -291,6 +295,38 @@ def test_pipeline_without_a_first_proposal_samples_from_p():
     assert root.first is None and step.commit is not None
     assert step.commit.verdict.source == CommitSource.FULL and step.commit.verdict.token in (1, 2)
     assert [lane.position for lane in step.spawned] == [8]  # the restart lane for the next position
+
+
+@pytest.mark.parametrize("R, d1, d2, cap", [(4, 1, 2, 7), (8, 2, 4, 3), (32, 2, 8, 64)])
+def test_expected_outcome_is_what_advance_does_when_it_goes_the_likely_way(R, d1, d2, cap):
+    """``expect`` -- what the runner enqueues the next recurrent step on before the readouts reach the
+    host (overlap) -- names the root ``advance`` verifies, keeps every lane that survives it, and when
+    the step goes the likely way (the root's first proposal accepted or no root verified, no second
+    proposal, nothing else pruned) names exactly the lanes whose first proposals spawn children."""
+    import random
+
+    rng = random.Random(R * 100 + d1)
+    target = lambda t: (7 * t + 3) % 31  # noqa: E731
+    pipe = RequestPipeline(LoopSpecSchedule(R, d1, d2), max_lanes=cap)
+    pipe.start(1, 0)
+    likely = other = 0
+    for _ in range(600):
+        for lane in pipe.lanes:
+            lane.depth += 1
+        exp, before = pipe.expect(), pipe.lanes
+        read = {lane.id: target(lane.token) if lane.depth == R or rng.random() < 0.85 else (lane.token + lane.depth) % 31
+                for lane in pipe.readers()}
+        step = pipe.advance(read)
+        assert (step.commit.lane if step.commit else None) is exp.commit
+        assert all(any(lane is kept for kept in exp.stay) for lane in before if lane.alive)
+        went_likely = ((step.commit is None or step.commit.verdict.source == CommitSource.FIRST) and not step.pruned
+                       and all(lane.origin == CommitSource.FIRST for lane in step.spawned))
+        if went_likely:
+            likely += 1
+            assert [lane.parent for lane in step.spawned] == exp.proposers
+        else:
+            other += 1
+    assert likely > 100 and other > 10, (likely, other)
 
 
 def test_tree_reroot_keeps_the_committed_path():

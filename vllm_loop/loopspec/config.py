@@ -22,7 +22,10 @@ replay CUDA graphs wherever vLLM uses graphs -- a CUDA device, no ``enforce_eage
 model; ``"on"``: always (without CUDA, the same padded calls run eagerly); ``"off"``: eager lane calls,
 see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton kernel in
 ``kernels/lane_attention.py`` on a CUDA device, the PyTorch lane attention elsewhere; ``"triton"``,
-``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
+``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md), ``lane_overlap``
+(``"auto"``, the default: in a lane step of greedy requests, each recurrent step is enqueued on the
+likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
+the other, see ``runner.py``). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
 2:8 at R=32, scaled to the deployed R).
 """
 
@@ -37,8 +40,9 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 logger = get_logger(__name__)
 
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention")
+KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap")
 LANE_GRAPHS = ("auto", "on", "off")
+LANE_OVERLAP = ("auto", "off")
 LANE_ATTENTION = ("auto", "torch", "triton")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
@@ -136,8 +140,12 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if attention not in LANE_ATTENTION:
         raise ValueError(f"speculative_config (loopspec): lane_attention={attention!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANE_ATTENTION))}")
+    overlap = config.get("lane_overlap", "auto")
+    if overlap not in LANE_OVERLAP:
+        raise ValueError(f"speculative_config (loopspec): lane_overlap={overlap!r} is invalid; allowed values: "
+                         f"{', '.join(map(repr, LANE_OVERLAP))}")
     knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
-             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention}
+             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap}
     spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")

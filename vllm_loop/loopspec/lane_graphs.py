@@ -4,7 +4,9 @@ Three calls, each on rows that sit at their own depths and read their own KV ban
 
 * ``pre``    -- depth-0 states of new lanes: ``tokens -> states[slot]``;
 * ``core``   -- one recurrent step: ``states[slot] -> states[slot]``;
-* ``logits`` -- readouts: ``states[slot] -> logits``.
+* ``logits`` -- readouts: ``states[slot] -> logits`` and their argmax, which also goes to
+  ``readout[slot]``: a ``pre`` row whose source column names a slot takes its token from there, so a
+  greedy proposal's child can start before the proposal reaches the host (``runner.py``, overlap).
 
 Why graphs: a recurrent step of lanes is a handful of rows through the shared block. Launched eagerly it
 costs far more host time than GPU time (an Ouro-1.4B lane step on the H200: ~3 ms of kernels behind
@@ -34,13 +36,14 @@ from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, Pag
 from vllm_loop.models.layers import lane_attention
 
 KINDS = ("pre", "core", "logits")
-SLOT, POSITION, DEPTH, TOKEN, PREFIX, FIXED = range(6)  # LaneBatch columns; then ancestors, then blocks
+SLOT, POSITION, DEPTH, TOKEN, PREFIX, SOURCE, FIXED = range(7)  # LaneBatch columns; then ancestors, blocks
 
 
 @dataclass
 class LaneBatch:
-    """One lane call's rows packed host-side: columns slot, position, depth, token, prefix, then
-    ``ancestors`` ancestor slots (-1 padded, oldest first), then the request's block-table row."""
+    """One lane call's rows packed host-side: columns slot, position, depth, token, prefix, source (the
+    slot whose last readout is the token, or -1: the token column), then ``ancestors`` ancestor slots
+    (-1 padded, oldest first), then the request's block-table row."""
 
     host: np.ndarray  # [rows, FIXED + ancestors + table width] int64
     ancestors: int
@@ -51,13 +54,14 @@ class LaneBatch:
     def empty(rows: int, ancestors: int, table_width: int, pad_slot: int) -> np.ndarray:
         host = np.zeros((rows, FIXED + ancestors + table_width), dtype=np.int64)
         host[:, SLOT] = pad_slot
+        host[:, SOURCE] = -1
         host[:, FIXED:FIXED + ancestors] = -1
         return host
 
     @classmethod
-    def pack(cls, lanes: list[tuple[int, int, int, int, int]], ancestry: list[list[int]], table_rows: np.ndarray,
-             *, rows: int, ancestors: int, context: int, pad_slot: int) -> LaneBatch:
-        """``lanes[i]``: (slot, position, depth, token, prefix) of real row i; ``ancestry[i]`` its
+    def pack(cls, lanes: list[tuple[int, int, int, int, int, int]], ancestry: list[list[int]],
+             table_rows: np.ndarray, *, rows: int, ancestors: int, context: int, pad_slot: int) -> LaneBatch:
+        """``lanes[i]``: (slot, position, depth, token, prefix, source) of real row i; ``ancestry[i]`` its
         ancestors' slots; ``table_rows[i]`` its request's block-table row. Rows ``len(lanes)..rows``
         are padding."""
         n = len(lanes)
@@ -87,10 +91,11 @@ def upload(host: torch.Tensor, device: torch.device, out: torch.Tensor | None = 
 
 
 def device_rows(packed: torch.Tensor, ancestors: int, context: int):
-    """Views of a column-major packed batch on the device: ``(LaneRows, positions, depths, tokens)``."""
+    """Views of a column-major packed batch on the device: ``(LaneRows, positions, depths, tokens,
+    sources)``."""
     rows = LaneRows(slots=packed[SLOT], prefix=packed[PREFIX], block_rows=packed[FIXED + ancestors:].T,
                     ancestors=packed[FIXED:FIXED + ancestors].T, context=context)
-    return rows, packed[POSITION], packed[DEPTH], packed[TOKEN]
+    return rows, packed[POSITION], packed[DEPTH], packed[TOKEN], packed[SOURCE]
 
 
 @contextmanager
@@ -144,17 +149,21 @@ def cuda_custom_ops(model, cuda: bool):
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
               context: int, kernel=None) -> torch.Tensor | None:
     """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
-    returns the logits of every row (padding rows included). ``kernel``: the lane attention kernel
-    (None: the PyTorch lane attention)."""
-    rows, positions, depths, tokens = device_rows(packed, ancestors, context)
+    returns ``(logits, argmax)`` of every row (padding rows included) and keeps the argmax in
+    ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention)."""
+    rows, positions, depths, tokens, sources = device_rows(packed, ancestors, context)
     with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms(), \
             cuda_custom_ops(model, packed.is_cuda):
         if kind == "pre":
+            tokens = torch.where(sources >= 0, scratch.readout[sources.clamp_min(0)], tokens)
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
         elif kind == "core":
             scratch.states[rows.slots] = model.lane_core(scratch.states[rows.slots], positions, depths)
         elif kind == "logits":
-            return model.lane_logits(scratch.states[rows.slots], positions, depths)
+            logits = model.lane_logits(scratch.states[rows.slots], positions, depths)
+            top = logits.argmax(-1)
+            scratch.readout[rows.slots] = top
+            return logits, top
         else:
             raise ValueError(f"lane call kind {kind!r}; allowed: {', '.join(KINDS)}")
     return None
@@ -192,9 +201,9 @@ class LaneGraphs:
             return None
         return rows, ctx
 
-    def __call__(self, kind: str, batch: LaneBatch) -> torch.Tensor | None:
+    def __call__(self, kind: str, batch: LaneBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run ``kind`` on ``batch`` (built with ``self.shape``'s rows and context, ``self.ancestors``).
-        Returns the logits of the real rows (``logits``), else None."""
+        Returns the logits and argmax of the real rows (``logits``), else None."""
         rows = batch.host.shape[0]
         key = (kind, rows, batch.context)
         if key not in self._graphs:
@@ -206,7 +215,7 @@ class LaneGraphs:
                             batch.context, self.kernel)
         else:
             graph.replay()
-        return None if out is None else out[: batch.n]
+        return None if out is None else tuple(x[: batch.n] for x in out)
 
     def _capture(self, kind: str, rows: int, context: int):
         if not self.capture:

@@ -104,7 +104,9 @@ class PagedBanks:
 
 
 class LaneScratch:
-    """Each live lane's own K/V at every bank: ``kv[bank, slot, 0|1, H, D]``, plus its hidden state.
+    """Each live lane's own K/V at every bank: ``kv[bank, slot, 0|1, H, D]``, its hidden state, and the
+    argmax of its last readout (``readout[slot]``: where a greedy child's token can come from on the
+    device, before the host has read it).
 
     One more slot than lanes, ``pad_slot``, is never handed out: padding rows of a fixed-shape call
     (``lane_graphs.py``) read and write it, so they touch no lane's data."""
@@ -113,6 +115,7 @@ class LaneScratch:
                  dtype, device):
         self.kv = torch.zeros(num_banks, num_slots + 1, 2, num_heads, head_dim, dtype=dtype, device=device)
         self.states = torch.zeros(num_slots + 1, state_width, dtype=dtype, device=device)
+        self.readout = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
         self.num_slots, self.pad_slot = num_slots, num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 

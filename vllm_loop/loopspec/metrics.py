@@ -203,6 +203,10 @@ class EngineCounters:
     pipelined_steps: int = 0
     drains: int = 0
     warmup_rows: int = 0  # lane-step rows whose lanes had just (re)started: nothing to commit early
+    # overlap: lane rows computed on an expected outcome that did not come (wasted), and new lanes that
+    # the expected outcome did not have and so started one recurrent step later (lagged)
+    overlap_wasted: int = 0
+    overlap_lagged: int = 0
     graph_captures: int = 0  # lane CUDA graphs captured during steps (their first call of a shape bucket)
     lane_step_seconds: float = 0.0  # the runner's wall time in lane steps (their GPU work included)
 

@@ -69,6 +69,20 @@ class Advance:
     pruned: list[Lane] = field(default_factory=list)  # lanes that left the tree, the committed root aside
 
 
+@dataclass
+class Expected:
+    """What the next ``advance`` does when it goes the likely way: the root, if it is at R, is
+    verified and its first proposal accepted; no second proposal is made; the request goes on. A
+    runner enqueues the next recurrent step on this before the readouts reach the host. Where
+    ``advance`` goes another way, the lanes planned for it are wasted and the lanes it did not plan
+    for start one recurrent step later: both lossless, since every lane still computes exactly its
+    own token at its own position and depth."""
+
+    commit: Lane | None  # the root that is verified: its position is committed whatever the verdict
+    stay: list[Lane]  # every lane that may still be alive afterwards (a superset)
+    proposers: list[Lane]  # lanes whose first proposal spawns a child, in birth order
+
+
 class RequestPipeline:
     def __init__(
         self,
@@ -115,6 +129,19 @@ class RequestPipeline:
         return lanes
 
     # -- one recurrent step's decisions ---------------------------------------------------------------------
+    def expect(self) -> Expected:
+        """The likely outcome of the next ``advance`` (call after the core step), from the tree alone."""
+        root = self.tree.root
+        commit = root if root is not None and root.depth == self.schedule.R else None
+        stay = [lane for lane in self.tree.lanes if lane is not commit]
+        room = self.max_lanes - len(stay)  # advance prunes at least the root before it proposes
+        proposers = []
+        for lane in stay:
+            if lane.depth == self.schedule.d1 and room > 0:
+                proposers.append(lane)
+                room -= 1
+        return Expected(commit, stay, proposers)
+
     def advance(self, read: dict[int, object], is_final: Callable[[int], bool] = lambda token: False) -> Advance:
         """``read[lane.id]``: the readout value of every lane at a readout depth. ``is_final(token)``:
         True when committing ``token`` ends the request (then no lane restarts)."""

@@ -39,7 +39,7 @@ from vllm_loop.loopspec.lane_graphs import LaneBatch, LaneGraphs, lane_call, upl
 from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
-from vllm_loop.loopspec.pipeline import Commit, RequestPipeline, readout_values
+from vllm_loop.loopspec.pipeline import Commit, Expected, RequestPipeline, readout_values
 from vllm_loop.loopspec.proposals import SamplingParams
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.loopspec.verify import CommitSource
@@ -110,6 +110,54 @@ class _Row:
         return len(self.tokens) >= self.cap or not self.live.pipe.lanes
 
 
+@dataclass(eq=False)
+class _Planned:
+    """A child lane enqueued before its parent's first proposal reached the host (overlap): its slot,
+    and the lane ``advance`` spawned for it (None: none was, and its work is wasted)."""
+
+    row: _Row
+    parent: Lane
+    slot: int
+    lane: Lane | None = None
+
+
+def _lane_of(what) -> Lane | None:
+    return what.lane if isinstance(what, _Planned) else what
+
+
+class _HostCopy:
+    """A small device tensor on its way to the host: copied into pinned memory behind the work already
+    enqueued, so the host can enqueue more before it waits (``tolist``)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.event = None
+        if x.is_cuda:
+            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self.host.copy_(x, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = x
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A recurrent step whose GPU work is enqueued: its rows, the lanes its core call advances and those
+    its logits call reads (lanes, or planned children), and the readout (logits, argmax)."""
+
+    rows: list[_Row]
+    lanes: list[tuple[_Row, object]]
+    readers: list[tuple[_Row, object]]
+    readout: tuple[torch.Tensor, torch.Tensor] | None
+    host: _HostCopy | None
+    planned: list[_Planned]
+
+
 class LoopSpecRunner:
     loopspec = True  # what the vLLM hooks look for on ``runner.drafter``
 
@@ -127,6 +175,9 @@ class LoopSpecRunner:
         self.cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
         # auto: the kernel on CUDA (5.6 against 7.1 ms per Ouro-1.4B recurrent step on the H200,
         # benchmarks/RESULTS.md), the PyTorch path elsewhere
+        # overlap (auto): a greedy lane step enqueues each recurrent step on the likely outcome of the one
+        # before, so the GPU computes while the host reads and decides ("off": one after the other)
+        self.overlap = k.get("lane_overlap", "auto") == "auto"
         self.attention_mode = k.get("lane_attention", "auto")
         if self.attention_mode == "auto":
             self.attention_mode = "triton" if self.cuda else "torch"
@@ -175,10 +226,12 @@ class LoopSpecRunner:
         for row in rows:  # for the lanes policy: a step of mostly fresh pipelines is a warm-up
             self._step.warmup_rows += row.live.fresh
             row.live.fresh = False
+        overlap = self.overlap and all(row.live.pipe.params.greedy for row in rows)
         with torch.inference_mode(), record_function("loopspec.lane_step"):
             steps = 0
-            while self._more_steps(rows, steps):
-                self._recurrent_step(runner, [row for row in rows if not row.done])
+            flight = self._launch_real(runner, [row for row in rows if not row.done])
+            while flight is not None:
+                flight = self._recurrent_step(runner, rows, flight, steps, overlap)
                 steps += 1
         self._step.lane_steps += 1
         self._step.graph_captures += 0 if self.graphs is None else self.graphs.captured - captured
@@ -191,17 +244,21 @@ class LoopSpecRunner:
         self._step.lane_step_seconds += time.perf_counter() - start
         return out
 
-    def _more_steps(self, rows: list[_Row], steps: int) -> bool:
+    def _more_steps(self, rows: list[_Row], steps: int, pending: dict[int, int] | None = None) -> bool:
         """Every request must commit at least once per engine step (vLLM's contract). Past that, all
         requests go on in lockstep (fewer scheduler round trips) until one of them may commit no more
         (its cap: 1 + its scheduled drafts) or has finished, for at most max(R, LOCKSTEP) recurrent
         steps in all, which bounds how long a new request waits to join (the cap alone would not:
-        at low acceptance a request commits a token only every R steps)."""
-        if all(row.done for row in rows):
+        at low acceptance a request commits a token only every R steps). ``pending``: commits of an
+        enqueued step, by ``id(row)``, counted as if made (a commit is known before its token)."""
+        pending = pending or {}
+        counts = {id(row): len(row.tokens) + pending.get(id(row), 0) for row in rows}
+        done = [counts[id(row)] >= row.cap or not row.live.pipe.lanes for row in rows]
+        if all(done):
             return False
-        if not all(row.tokens for row in rows):
+        if not all(counts.values()):
             return True
-        return not any(row.done for row in rows) and steps < max(self.schedule.R, LOCKSTEP)
+        return not any(done) and steps < max(self.schedule.R, LOCKSTEP)
 
     def after_standard_step(self, runner, scheduler_output, output) -> None:
         """After vLLM's own step: keep each request's lanes on the committed path (or start them),
@@ -379,20 +436,30 @@ class LoopSpecRunner:
             rows.append(_Row(self.live[req_id], index, cap, runner.requests[req_id]))
         return rows
 
-    def _lane_call(self, runner, kind: str, items: list[tuple[_Row, Lane]]) -> torch.Tensor | None:
-        """Run lane call ``kind`` (``lane_graphs.KINDS``) on ``items``: replayed from a CUDA graph when
-        its shape has a bucket, else eagerly. Each row's committed prefix is its request's root position."""
+    def _spec(self, row: _Row, slot: int, position: int, depth: int, token: int, prefix: int, ancestors,
+              source: int = -1) -> tuple:
+        """One row of a lane call: (slot, position, depth, token, prefix, source), its ancestors' slots,
+        its request's row in vLLM's input batch."""
+        return (slot, position, depth, token, prefix, source), [a.slot for a in ancestors], row.index
+
+    def _lane_spec(self, row: _Row, lane: Lane) -> tuple:
+        pipe = row.live.pipe
+        return self._spec(row, lane.slot, lane.position, lane.depth, lane.token, pipe.root.position,
+                          pipe.tree.ancestors(lane))
+
+    def _lane_call(self, runner, kind: str, specs: list[tuple]):
+        """Run lane call ``kind`` (``lane_graphs.KINDS``) on rows ``specs`` (``_spec``): replayed from a
+        CUDA graph when its shape has a bucket, else eagerly. Returns ``(logits, argmax)`` for ``logits``."""
         # a named range in torch.profiler traces (benchmarks/loopspec_speed.py --profile); ~1 us otherwise
         with record_function(f"loopspec.{kind}"):
-            n = len(items)
-            context = max(row.live.pipe.root.position for row, _ in items)
-            ancestry = [[a.slot for a in row.live.pipe.tree.ancestors(lane)] for row, lane in items]
+            n = len(specs)
+            context = max(spec[0][4] for spec in specs)
+            ancestry = [spec[1] for spec in specs]
             shape = self.graphs.shape(n, context) if self.graphs is not None else None
             rows, ctx = shape if shape is not None else (n, context)
             width = self.graphs.ancestors if shape is not None else max(map(len, ancestry), default=0)
             table = runner.input_batch.block_table[0].block_table.np
-            batch = LaneBatch.pack([(lane.slot, lane.position, lane.depth, lane.token, row.live.pipe.root.position)
-                                    for row, lane in items], ancestry, table[[row.index for row, _ in items]],
+            batch = LaneBatch.pack([spec[0] for spec in specs], ancestry, table[[spec[2] for spec in specs]],
                                    rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
             if shape is not None:
                 return self.graphs(kind, batch)
@@ -401,56 +468,148 @@ class LoopSpecRunner:
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
-        self._lane_call(runner, "pre", items)
+        self._lane_call(runner, "pre", [self._lane_spec(row, lane) for row, lane in items])
 
-    def _recurrent_step(self, runner, rows: list[_Row]) -> None:
-        sch = self.schedule
-        items = [(row, lane) for row in rows for lane in row.live.pipe.lanes]
-        # 1. one core step for every lane of every request, each at its own depth
-        self._lane_call(runner, "core", items)
-        for _, lane in items:
-            lane.depth += 1
+    def _launch(self, runner, rows: list[_Row], items: list[tuple[_Row, object, tuple]],
+                planned: list[_Planned] = ()) -> _Flight | None:
+        """Enqueue one recurrent step: a core call for ``items`` (row, lane or planned child, spec at
+        the depth before the step), then the readouts of the rows that reach d1, d2 or R."""
+        if not items:
+            return None
+        depths = self.schedule.readout_depths
+        self._lane_call(runner, "core", [spec for *_, spec in items])
+        readers = [(row, what, ((*spec[0][:2], spec[0][2] + 1, *spec[0][3:]), *spec[1:]))
+                   for row, what, spec in items if spec[0][2] + 1 in depths]
+        readout = self._lane_call(runner, "logits", [spec for *_, spec in readers]) if readers else None
         self._step.recurrent_steps += 1
         self._step.lanes_advanced += len(items)
         self._step.request_steps += len(rows)
-        # 2. readouts at d1, d2, R
-        read: dict[int, dict[int, object]] = {id(row): {} for row in rows}
-        readers = [(row, lane) for row, lane in items if lane.depth in sch.readout_depths]
-        if readers:
-            logits = self._lane_call(runner, "logits", readers)
-            by_params: dict[SamplingParams, list[int]] = {}
-            for i, (row, _) in enumerate(readers):
-                by_params.setdefault(row.live.pipe.params, []).append(i)
-            argmax = None  # greedy rows: only the argmax crosses to the host
-            with record_function("loopspec.read"):  # the host waits for the GPU here
-                for params, idx in by_params.items():
-                    if params.greedy:
-                        argmax = logits.argmax(-1).tolist() if argmax is None else argmax
-                        values = [argmax[i] for i in idx]
-                    else:
-                        values = readout_values(logits[idx], params)
-                    for i, value in zip(idx, values):
-                        row, lane = readers[i]
-                        read[id(row)][lane.id] = value
-        # 3. each request's decisions
-        commits: list[tuple[_Row, Commit]] = []
-        spawned: list[tuple[_Row, Lane]] = []
+        return _Flight(rows, [(row, what) for row, what, _ in items], [(row, what) for row, what, _ in readers],
+                       readout, None if readout is None else _HostCopy(readout[1]), list(planned))
+
+    def _launch_real(self, runner, rows: list[_Row]) -> _Flight | None:
+        """The next recurrent step of the requests' lanes as they are."""
+        return self._launch(runner, rows, [(row, lane, self._lane_spec(row, lane))
+                                           for row in rows for lane in row.live.pipe.lanes])
+
+    def _launch_expected(self, runner, rows: list[_Row], expected: dict[int, Expected]) -> _Flight | None:
+        """The next recurrent step as each request's ``Expected`` outcome of this one has it (overlap):
+        verified roots committed, the first proposals' children started with their tokens taken on
+        the device from their parents' readouts."""
+        items, planned, pre = [], [], []
+        for row in rows:
+            exp = expected[id(row)]
+            pipe = row.live.pipe
+            prefix = pipe.root.position + (exp.commit is not None)
+
+            def ancestors(lane, commit=exp.commit, tree=pipe.tree):
+                return [a for a in tree.ancestors(lane) if a is not commit]
+
+            items += [(row, lane, self._spec(row, lane.slot, lane.position, lane.depth, lane.token, prefix,
+                                             ancestors(lane))) for lane in exp.stay]
+            for parent in exp.proposers:
+                slot = self.scratch.take()
+                if slot is None:
+                    break  # no slot: the child, if spawned, starts a step later
+                child = _Planned(row, parent, slot)
+                spec = self._spec(row, slot, parent.position + 1, 0, 0, prefix, ancestors(parent) + [parent],
+                                  source=parent.slot)
+                planned.append(child)
+                pre.append(spec)
+                items.append((row, child, spec))
+        if pre:
+            self._lane_call(runner, "pre", pre)
+        return self._launch(runner, rows, items, planned)
+
+    def _recurrent_step(self, runner, rows: list[_Row], flight: _Flight, steps: int, overlap: bool) -> _Flight | None:
+        """Take the decisions of the enqueued recurrent step ``flight``; return the next one, enqueued
+        (None: the lane step ends). With ``overlap`` the next step is enqueued before this one's
+        readouts are read, so the GPU runs it while the host decides; otherwise after."""
+        # 1. the core call advanced its lanes (those pruned meanwhile, and planned children never spawned,
+        #    were computed for nothing)
+        for _, what in flight.lanes:
+            lane = _lane_of(what)
+            if lane is not None and lane.alive:
+                lane.depth += 1
+            else:
+                self._step.overlap_wasted += 1
+        live = [row for row in flight.rows if row.live.pipe.lanes]
+        expected = {id(row): row.live.pipe.expect() for row in live}
+        # 2. a root at R is committed whatever its verdict: its K/V of every bank goes to the paged cache now
+        commits = [(row, expected[id(row)].commit) for row in live if expected[id(row)].commit is not None]
+        if commits:
+            with record_function("loopspec.commit_kv"):
+                self._write_commits(runner, commits)
+        # 3. overlap: the next step, on the likely outcome of this one
+        nxt = None
+        if overlap:
+            pending = {id(row): 1 for row, _ in commits}
+            if self._more_steps(rows, steps + 1, pending):
+                going = [row for row in live if len(row.tokens) + pending.get(id(row), 0) < row.cap]
+                nxt = self._launch_expected(runner, going, expected)
+        # 4. each request's decisions on this step's readouts
+        read = self._read(flight)
+        new: list[tuple[_Row, Lane]] = []
         with record_function("loopspec.decide"):
-            for row in rows:
+            for row in live:
                 step = row.live.pipe.advance(read[id(row)], lambda token, row=row: self._is_final(row, token))
                 self._free(step.pruned)
                 if step.commit is not None:
-                    commits.append((row, step.commit))
+                    self._count_commit(step.commit)
+                    self._free([step.commit.lane])
                     row.tokens.append(step.commit.verdict.token)
-                spawned.extend((row, lane) for lane in step.spawned)
-        # 4. verified roots: their K/V of every bank goes to the paged cache, then their slots are free
-        if commits:
-            with record_function("loopspec.commit_kv"):
-                self._commit_kv(runner, commits)
-        # 5. pre-layers for the new lanes
-        if spawned:
-            self._assign_slots([lane for _, lane in spawned])
-            self._run_pre(runner, spawned)
+                new += self._claim(nxt, row, step.spawned)
+        if nxt is not None:
+            for child in nxt.planned:  # planned children advance did not spawn: their slots come back
+                if child.lane is None:
+                    self.scratch.give_back(child.slot)
+            self._step.overlap_lagged += len(new)
+        # 5. pre-layers for the new lanes the next step does not already run
+        if new:
+            self._assign_slots([lane for _, lane in new])
+            self._run_pre(runner, new)
+        if nxt is None and self._more_steps(rows, steps + 1):
+            nxt = self._launch_real(runner, [row for row in rows if not row.done])
+        return nxt
+
+    @staticmethod
+    def _claim(flight: _Flight | None, row: _Row, spawned: list[Lane]) -> list[tuple[_Row, Lane]]:
+        """Spawned lanes that ``flight`` already runs as planned children take their slots; the rest
+        are returned (they need their pre-layers). A planned child is its parent's first proposal, its
+        token the parent's argmax on the device: the very value the host read (greedy steps only)."""
+        if flight is None:
+            return [(row, lane) for lane in spawned]
+        planned = {id(child.parent): child for child in flight.planned if child.row is row}
+        rest = []
+        for lane in spawned:
+            child = planned.pop(id(lane.parent), None) if lane.origin == CommitSource.FIRST else None
+            if child is None:
+                rest.append((row, lane))
+            else:
+                child.lane, lane.slot = lane, child.slot
+        return rest
+
+    def _read(self, flight: _Flight) -> dict[int, dict[int, object]]:
+        """Each request's readouts of ``flight``: ``{id(row): {lane.id: value}}`` for its live lanes."""
+        read: dict[int, dict[int, object]] = {id(row): {} for row in flight.rows}
+        if flight.readout is None:
+            return read
+        logits, _ = flight.readout
+        with record_function("loopspec.read"):  # the host waits for the GPU here
+            top = flight.host.tolist()  # greedy rows: only the argmax crosses to the host
+            values = list(top)
+            by_params: dict[SamplingParams, list[int]] = {}
+            for i, (row, _) in enumerate(flight.readers):
+                if not row.live.pipe.params.greedy:
+                    by_params.setdefault(row.live.pipe.params, []).append(i)
+            for params, idx in by_params.items():
+                for i, value in zip(idx, readout_values(logits[idx], params)):
+                    values[i] = value
+        for (row, what), value in zip(flight.readers, values):
+            lane = _lane_of(what)
+            if lane is not None and lane.alive:
+                read[id(row)][lane.id] = value
+        return read
 
     def _is_final(self, row: _Row, token: int) -> bool:
         """Would committing ``token`` finish the request?"""
@@ -464,22 +623,22 @@ class LoopSpecRunner:
                 or n_out >= (sp.max_tokens if sp.max_tokens is not None else self.max_model_len)
                 or state.num_prompt_tokens + n_out >= self.max_model_len)
 
-    def _commit_kv(self, runner, commits: list[tuple[_Row, Commit]]) -> None:
+    def _count_commit(self, commit: Commit) -> None:
+        source, root = commit.verdict.source, commit.lane
+        self._step.first += source == CommitSource.FIRST
+        self._step.second += source == CommitSource.SECOND
+        self._step.full += source == CommitSource.FULL
+        self._step.first_verified += root.first is not None
+        self._step.second_verified += root.second is not None
+
+    def _write_commits(self, runner, commits: list[tuple[_Row, Lane]]) -> None:
+        """Verified roots: their K/V of every bank goes from their scratch slots to the paged cache."""
         device, B = self.scratch.kv.device, self.paged.block_size
         table = runner.input_batch.block_table[0].block_table.np
         nb = self.paged.num_banks
-        blocks, offsets, slots = [], [], []
-        for row, commit in commits:
-            root, source = commit.lane, commit.verdict.source
-            p = root.position
-            blocks.append(int(table[row.index, p // B]))
-            offsets.append(p % B)
-            slots.append(root.slot)
-            self._step.first += source == CommitSource.FIRST
-            self._step.second += source == CommitSource.SECOND
-            self._step.full += source == CommitSource.FULL
-            self._step.first_verified += root.first is not None
-            self._step.second_verified += root.second is not None
+        blocks = [int(table[row.index, root.position // B]) for row, root in commits]
+        offsets = [root.position % B for _, root in commits]
+        slots = [root.slot for _, root in commits]
         # (bank, slot, block, offset) of every commit at every bank, built host-side: one copy to the device
         index = np.empty((4, len(commits), nb), dtype=np.int64)
         index[0] = np.arange(nb)
@@ -487,7 +646,6 @@ class LoopSpecRunner:
         banks, slot_t, block_t, offset_t = upload(torch.from_numpy(index.reshape(4, -1)), device)
         kv = self.scratch.kv[banks, slot_t]  # [m * banks, 2, H, D]
         self.paged.write(block_t, banks, offset_t, kv[:, 0], kv[:, 1])
-        self._free([commit.lane for _, commit in commits])
 
     def _finish_lane_step(self, runner, rows: list[_Row]):
         """vLLM's bookkeeping for the committed tokens (as ``_bookkeeping_sync`` does), the drafts,
