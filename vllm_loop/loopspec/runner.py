@@ -6,7 +6,9 @@ plugin hooks ``GPUModelRunner.execute_model`` and ``sample_tokens`` (``vllm_patc
 * a **lane step** -- every scheduled request is a decoding LoopSpec request -- runs here: recurrent
   steps in which one batched model call advances every live lane of every request (each row at its
   own depth, reading its own KV bank), readouts at d1 / d2 / R, the decisions of each request's
-  ``RequestPipeline``, until every request has committed at least one token. The tokens go back as
+  ``RequestPipeline``, until every request has committed at least one token (in a step of greedy
+  requests each recurrent step is enqueued before the host has decided the one before, on its likely
+  outcome, ``RequestPipeline.expect``: the GPU computes while the host decides). The tokens go back as
   the step's sampled tokens and each request's first-proposal chain as its drafts, so the
   scheduler allocates KV slots for the next step (vLLM's contract: a decode row receives between 1
   and 1 + its scheduled drafts tokens per step, which the commit cap enforces);
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,7 +39,7 @@ from torch.profiler import record_function
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs
-from vllm_loop.loopspec.lane_graphs import LaneBatch, LaneGraphs, lane_call, upload
+from vllm_loop.loopspec.lane_graphs import DEPTH, PREFIX, LaneBatch, LaneGraphs, lane_call, upload
 from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
@@ -48,6 +52,13 @@ from vllm_loop.models.layers import bank_prefix
 logger = get_logger(__name__)
 
 LOCKSTEP = 16  # recurrent steps an engine step may take past its first commits (Ouro-1.4B, H200: ~40 ms)
+
+
+def _named(name: str):
+    """A named range in torch.profiler traces (``benchmarks/loopspec_speed.py --profile``), and nothing
+    when no profiler runs: ``record_function`` costs the host ~12 us even then, on the H200 host of
+    ``benchmarks/results/cuda-host-costs-h200.txt``, and a recurrent step opens six."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
 
 
 def triton_lane_attention(cuda: bool):
@@ -108,6 +119,21 @@ class _Row:
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.cap or not self.live.pipe.lanes
+
+
+class _CallRow(NamedTuple):
+    """One row of a lane call: ``fields`` as ``LaneBatch.pack`` takes them (slot, position, depth,
+    token, prefix, source), the slots of the lane's uncommitted ancestors, its request's row in vLLM's
+    input batch."""
+
+    fields: tuple[int, int, int, int, int, int]
+    ancestors: list[int]
+    batch_row: int
+
+    def deeper(self) -> _CallRow:
+        """The same lane one depth further (its readout after a core step)."""
+        f = self.fields
+        return self._replace(fields=f[:DEPTH] + (f[DEPTH] + 1,) + f[DEPTH + 1:])
 
 
 @dataclass(eq=False)
@@ -227,7 +253,7 @@ class LoopSpecRunner:
             self._step.warmup_rows += row.live.fresh
             row.live.fresh = False
         overlap = self.overlap and all(row.live.pipe.params.greedy for row in rows)
-        with torch.inference_mode(), record_function("loopspec.lane_step"):
+        with torch.inference_mode(), _named("loopspec.lane_step"):
             steps = 0
             flight = self._launch_real(runner, [row for row in rows if not row.done])
             while flight is not None:
@@ -436,30 +462,28 @@ class LoopSpecRunner:
             rows.append(_Row(self.live[req_id], index, cap, runner.requests[req_id]))
         return rows
 
-    def _spec(self, row: _Row, slot: int, position: int, depth: int, token: int, prefix: int, ancestors,
-              source: int = -1) -> tuple:
-        """One row of a lane call: (slot, position, depth, token, prefix, source), its ancestors' slots,
-        its request's row in vLLM's input batch."""
-        return (slot, position, depth, token, prefix, source), [a.slot for a in ancestors], row.index
-
-    def _lane_spec(self, row: _Row, lane: Lane) -> tuple:
+    @staticmethod
+    def _call_row(row: _Row, lane: Lane, prefix: int | None = None, ancestors: list[Lane] | None = None) -> _CallRow:
+        """``lane`` as a row of a lane call; ``prefix`` / ``ancestors``: the request's as they will be
+        (default: as they are)."""
         pipe = row.live.pipe
-        return self._spec(row, lane.slot, lane.position, lane.depth, lane.token, pipe.root.position,
-                          pipe.tree.ancestors(lane))
+        prefix = pipe.root.position if prefix is None else prefix
+        ancestors = pipe.tree.ancestors(lane) if ancestors is None else ancestors
+        return _CallRow((lane.slot, lane.position, lane.depth, lane.token, prefix, -1), [a.slot for a in ancestors],
+                        row.index)
 
-    def _lane_call(self, runner, kind: str, specs: list[tuple]):
-        """Run lane call ``kind`` (``lane_graphs.KINDS``) on rows ``specs`` (``_spec``): replayed from a
-        CUDA graph when its shape has a bucket, else eagerly. Returns ``(logits, argmax)`` for ``logits``."""
-        # a named range in torch.profiler traces (benchmarks/loopspec_speed.py --profile); ~1 us otherwise
-        with record_function(f"loopspec.{kind}"):
-            n = len(specs)
-            context = max(spec[0][4] for spec in specs)
-            ancestry = [spec[1] for spec in specs]
+    def _lane_call(self, runner, kind: str, calls: list[_CallRow]):
+        """Run lane call ``kind`` (``lane_graphs.KINDS``) on rows ``calls``: replayed from a CUDA graph
+        when its shape has a bucket, else eagerly. Returns ``(logits, argmax)`` for ``logits``."""
+        with _named(f"loopspec.{kind}"):
+            n = len(calls)
+            context = max(call.fields[PREFIX] for call in calls)
+            ancestry = [call.ancestors for call in calls]
             shape = self.graphs.shape(n, context) if self.graphs is not None else None
             rows, ctx = shape if shape is not None else (n, context)
             width = self.graphs.ancestors if shape is not None else max(map(len, ancestry), default=0)
             table = runner.input_batch.block_table[0].block_table.np
-            batch = LaneBatch.pack([spec[0] for spec in specs], ancestry, table[[spec[2] for spec in specs]],
+            batch = LaneBatch.pack([call.fields for call in calls], ancestry, table[[call.batch_row for call in calls]],
                                    rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
             if shape is not None:
                 return self.graphs(kind, batch)
@@ -468,19 +492,18 @@ class LoopSpecRunner:
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
-        self._lane_call(runner, "pre", [self._lane_spec(row, lane) for row, lane in items])
+        self._lane_call(runner, "pre", [self._call_row(row, lane) for row, lane in items])
 
-    def _launch(self, runner, rows: list[_Row], items: list[tuple[_Row, object, tuple]],
+    def _launch(self, runner, rows: list[_Row], items: list[tuple[_Row, object, _CallRow]],
                 planned: list[_Planned] = ()) -> _Flight | None:
-        """Enqueue one recurrent step: a core call for ``items`` (row, lane or planned child, spec at
+        """Enqueue one recurrent step: a core call for ``items`` (row, lane or planned child, call row at
         the depth before the step), then the readouts of the rows that reach d1, d2 or R."""
         if not items:
             return None
         depths = self.schedule.readout_depths
-        self._lane_call(runner, "core", [spec for *_, spec in items])
-        readers = [(row, what, ((*spec[0][:2], spec[0][2] + 1, *spec[0][3:]), *spec[1:]))
-                   for row, what, spec in items if spec[0][2] + 1 in depths]
-        readout = self._lane_call(runner, "logits", [spec for *_, spec in readers]) if readers else None
+        self._lane_call(runner, "core", [call for *_, call in items])
+        readers = [(row, what, call.deeper()) for row, what, call in items if call.fields[DEPTH] + 1 in depths]
+        readout = self._lane_call(runner, "logits", [call for *_, call in readers]) if readers else None
         self._step.recurrent_steps += 1
         self._step.lanes_advanced += len(items)
         self._step.request_steps += len(rows)
@@ -489,7 +512,7 @@ class LoopSpecRunner:
 
     def _launch_real(self, runner, rows: list[_Row]) -> _Flight | None:
         """The next recurrent step of the requests' lanes as they are."""
-        return self._launch(runner, rows, [(row, lane, self._lane_spec(row, lane))
+        return self._launch(runner, rows, [(row, lane, self._call_row(row, lane))
                                            for row in rows for lane in row.live.pipe.lanes])
 
     def _launch_expected(self, runner, rows: list[_Row], expected: dict[int, Expected]) -> _Flight | None:
@@ -505,18 +528,18 @@ class LoopSpecRunner:
             def ancestors(lane, commit=exp.commit, tree=pipe.tree):
                 return [a for a in tree.ancestors(lane) if a is not commit]
 
-            items += [(row, lane, self._spec(row, lane.slot, lane.position, lane.depth, lane.token, prefix,
-                                             ancestors(lane))) for lane in exp.stay]
+            items += [(row, lane, self._call_row(row, lane, prefix, ancestors(lane))) for lane in exp.stay]
             for parent in exp.proposers:
                 slot = self.scratch.take()
                 if slot is None:
                     break  # no slot: the child, if spawned, starts a step later
                 child = _Planned(row, parent, slot)
-                spec = self._spec(row, slot, parent.position + 1, 0, 0, prefix, ancestors(parent) + [parent],
-                                  source=parent.slot)
+                # depth 0 at the next position; its token: the parent's readout, read on the device
+                call = _CallRow((slot, parent.position + 1, 0, 0, prefix, parent.slot),
+                                [a.slot for a in ancestors(parent) + [parent]], row.index)
                 planned.append(child)
-                pre.append(spec)
-                items.append((row, child, spec))
+                pre.append(call)
+                items.append((row, child, call))
         if pre:
             self._lane_call(runner, "pre", pre)
         return self._launch(runner, rows, items, planned)
@@ -538,7 +561,7 @@ class LoopSpecRunner:
         # 2. a root at R is committed whatever its verdict: its K/V of every bank goes to the paged cache now
         commits = [(row, expected[id(row)].commit) for row in live if expected[id(row)].commit is not None]
         if commits:
-            with record_function("loopspec.commit_kv"):
+            with _named("loopspec.commit_kv"):
                 self._write_commits(runner, commits)
         # 3. overlap: the next step, on the likely outcome of this one
         nxt = None
@@ -550,7 +573,7 @@ class LoopSpecRunner:
         # 4. each request's decisions on this step's readouts
         read = self._read(flight)
         new: list[tuple[_Row, Lane]] = []
-        with record_function("loopspec.decide"):
+        with _named("loopspec.decide"):
             for row in live:
                 step = row.live.pipe.advance(read[id(row)], lambda token, row=row: self._is_final(row, token))
                 self._free(step.pruned)
@@ -595,7 +618,7 @@ class LoopSpecRunner:
         if flight.readout is None:
             return read
         logits, _ = flight.readout
-        with record_function("loopspec.read"):  # the host waits for the GPU here
+        with _named("loopspec.read"):  # the host waits for the GPU here
             top = flight.host.tolist()  # greedy rows: only the argmax crosses to the host
             values = list(top)
             by_params: dict[SamplingParams, list[int]] = {}
