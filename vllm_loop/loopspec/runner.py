@@ -118,7 +118,11 @@ class _Row:
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.cap or not self.live.pipe.lanes
+        return self.done_after(0)
+
+    def done_after(self, commits: int) -> bool:
+        """Done once ``commits`` more tokens are committed (an enqueued step's, known before its tokens)."""
+        return len(self.tokens) + commits >= self.cap or not self.live.pipe.lanes
 
 
 class _CallRow(NamedTuple):
@@ -141,7 +145,6 @@ class _Planned:
     """A child lane enqueued before its parent's first proposal reached the host (overlap): its slot,
     and the lane ``advance`` spawned for it (None: none was, and its work is wasted)."""
 
-    row: _Row
     parent: Lane
     slot: int
     lane: Lane | None = None
@@ -181,7 +184,7 @@ class _Flight:
     readers: list[tuple[_Row, object]]
     readout: tuple[torch.Tensor, torch.Tensor] | None
     host: _HostCopy | None
-    planned: list[_Planned]
+    planned: dict[int, _Planned]  # by id() of the parent lane
 
 
 class LoopSpecRunner:
@@ -199,11 +202,11 @@ class LoopSpecRunner:
         self.seed = vllm_config.model_config.seed or 0
         graph_mode = k.get("lane_graphs", "auto")
         self.cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
-        # auto: the kernel on CUDA (5.6 against 7.1 ms per Ouro-1.4B recurrent step on the H200,
-        # benchmarks/RESULTS.md), the PyTorch path elsewhere
         # overlap (auto): a greedy lane step enqueues each recurrent step on the likely outcome of the one
         # before, so the GPU computes while the host reads and decides ("off": one after the other)
         self.overlap = k.get("lane_overlap", "auto") == "auto"
+        # auto: the kernel on CUDA (5.6 against 7.1 ms per Ouro-1.4B recurrent step on the H200,
+        # benchmarks/RESULTS.md), the PyTorch path elsewhere
         self.attention_mode = k.get("lane_attention", "auto")
         if self.attention_mode == "auto":
             self.attention_mode = "triton" if self.cuda else "torch"
@@ -278,11 +281,10 @@ class LoopSpecRunner:
         at low acceptance a request commits a token only every R steps). ``pending``: commits of an
         enqueued step, by ``id(row)``, counted as if made (a commit is known before its token)."""
         pending = pending or {}
-        counts = {id(row): len(row.tokens) + pending.get(id(row), 0) for row in rows}
-        done = [counts[id(row)] >= row.cap or not row.live.pipe.lanes for row in rows]
+        done = [row.done_after(pending.get(id(row), 0)) for row in rows]
         if all(done):
             return False
-        if not all(counts.values()):
+        if not all(row.tokens or pending.get(id(row)) for row in rows):
             return True
         return not any(done) and steps < max(self.schedule.R, LOCKSTEP)
 
@@ -495,7 +497,7 @@ class LoopSpecRunner:
         self._lane_call(runner, "pre", [self._call_row(row, lane) for row, lane in items])
 
     def _launch(self, runner, rows: list[_Row], items: list[tuple[_Row, object, _CallRow]],
-                planned: list[_Planned] = ()) -> _Flight | None:
+                planned: dict[int, _Planned] | None = None) -> _Flight | None:
         """Enqueue one recurrent step: a core call for ``items`` (row, lane or planned child, call row at
         the depth before the step), then the readouts of the rows that reach d1, d2 or R."""
         if not items:
@@ -508,7 +510,7 @@ class LoopSpecRunner:
         self._step.lanes_advanced += len(items)
         self._step.request_steps += len(rows)
         return _Flight(rows, [(row, what) for row, what, _ in items], [(row, what) for row, what, _ in readers],
-                       readout, None if readout is None else _HostCopy(readout[1]), list(planned))
+                       readout, None if readout is None else _HostCopy(readout[1]), planned or {})
 
     def _launch_real(self, runner, rows: list[_Row]) -> _Flight | None:
         """The next recurrent step of the requests' lanes as they are."""
@@ -519,7 +521,7 @@ class LoopSpecRunner:
         """The next recurrent step as each request's ``Expected`` outcome of this one has it (overlap):
         verified roots committed, the first proposals' children started with their tokens taken on
         the device from their parents' readouts."""
-        items, planned, pre = [], [], []
+        items, planned, pre = [], {}, []
         for row in rows:
             exp = expected[id(row)]
             pipe = row.live.pipe
@@ -533,11 +535,11 @@ class LoopSpecRunner:
                 slot = self.scratch.take()
                 if slot is None:
                     break  # no slot: the child, if spawned, starts a step later
-                child = _Planned(row, parent, slot)
+                child = _Planned(parent, slot)
                 # depth 0 at the next position; its token: the parent's readout, read on the device
                 call = _CallRow((slot, parent.position + 1, 0, 0, prefix, parent.slot),
                                 [a.slot for a in ancestors(parent) + [parent]], row.index)
-                planned.append(child)
+                planned[id(parent)] = child
                 pre.append(call)
                 items.append((row, child, call))
         if pre:
@@ -568,7 +570,7 @@ class LoopSpecRunner:
         if overlap:
             pending = {id(row): 1 for row, _ in commits}
             if self._more_steps(rows, steps + 1, pending):
-                going = [row for row in live if len(row.tokens) + pending.get(id(row), 0) < row.cap]
+                going = [row for row in live if not row.done_after(pending.get(id(row), 0))]
                 nxt = self._launch_expected(runner, going, expected)
         # 4. each request's decisions on this step's readouts
         read = self._read(flight)
@@ -583,7 +585,7 @@ class LoopSpecRunner:
                     row.tokens.append(step.commit.verdict.token)
                 new += self._claim(nxt, row, step.spawned)
         if nxt is not None:
-            for child in nxt.planned:  # planned children advance did not spawn: their slots come back
+            for child in nxt.planned.values():  # planned children advance did not spawn: their slots come back
                 if child.lane is None:
                     self.scratch.give_back(child.slot)
             self._step.overlap_lagged += len(new)
@@ -602,11 +604,10 @@ class LoopSpecRunner:
         token the parent's argmax on the device: the very value the host read (greedy steps only)."""
         if flight is None:
             return [(row, lane) for lane in spawned]
-        planned = {id(child.parent): child for child in flight.planned if child.row is row}
         rest = []
         for lane in spawned:
-            child = planned.pop(id(lane.parent), None) if lane.origin == CommitSource.FIRST else None
-            if child is None:
+            child = flight.planned.get(id(lane.parent)) if lane.origin == CommitSource.FIRST else None
+            if child is None or child.lane is not None:
                 rest.append((row, lane))
             else:
                 child.lane, lane.slot = lane, child.slot
@@ -619,8 +620,7 @@ class LoopSpecRunner:
             return read
         logits, _ = flight.readout
         with _named("loopspec.read"):  # the host waits for the GPU here
-            top = flight.host.tolist()  # greedy rows: only the argmax crosses to the host
-            values = list(top)
+            values = flight.host.tolist()  # greedy rows: only the argmax crosses to the host
             by_params: dict[SamplingParams, list[int]] = {}
             for i, (row, _) in enumerate(flight.readers):
                 if not row.live.pipe.params.greedy:
