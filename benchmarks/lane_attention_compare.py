@@ -34,6 +34,7 @@ from loopspec_speed import SHAPES  # noqa: E402  (the benchmark shapes' configs:
 from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks  # noqa: E402
 
 BLOCK = 16  # vLLM's GPU block size
+ENGINE_BLOCKS = 64  # block tables as wide as loopspec_speed.py's engines' (max_model_len 1,024)
 
 
 def attention_shape(shape: str) -> tuple[int, int, int, int]:
@@ -47,10 +48,12 @@ def attention_shape(shape: str) -> tuple[int, int, int, int]:
             c["mean_recurrence"] * c["n_layers_in_recurrent_block"] + c["n_layers_in_prelude"] + c["n_layers_in_coda"])
 
 
-def make_case(shape: str, requests: int, lanes: int, prefix: int, window: int, seed: int = 0, dev: str = "cuda"):
+def make_case(shape: str, requests: int, lanes: int, prefix: int, window: int, seed: int = 0, dev: str = "cuda",
+              width: int | None = None):
     """``requests`` requests with ``prefix`` committed positions at every bank, ``lanes`` lane rows
-    each at random banks, up to ``window`` ancestors each in the lane pool. -> (paged, scratch, rows,
-    banks, q, k, v)."""
+    each at random banks, up to ``window`` ancestors each in the lane pool; block tables ``width``
+    blocks wide (None: just the prefix; an engine's are as wide as its longest request can be).
+    -> (paged, scratch, rows, banks, q, k, v)."""
     Hq, H, D, S = attention_shape(shape)
     dt = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -60,6 +63,8 @@ def make_case(shape: str, requests: int, lanes: int, prefix: int, window: int, s
     paged = PagedBanks([backing[:, b] for b in range(S)])
     perm = torch.randperm(NB - 1, device=dev, generator=g) + 1  # scattered blocks, as after a while of serving
     tables = perm.view(requests, per_req)
+    if width is not None and width > per_req:
+        tables = torch.cat([tables, tables.new_zeros(requests, width - per_req)], dim=1)
     n = requests * lanes
     scratch = LaneScratch(S, n, H, D, 4, dt, dev)
     scratch.kv.normal_(generator=g)
@@ -131,7 +136,7 @@ class FlashLaneAttention:
 def run_case(shape, requests, lanes, prefix, window, do_bench) -> dict:
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    paged, scratch, rows, banks, q, k, v = make_case(shape, requests, lanes, prefix, window)
+    paged, scratch, rows, banks, q, k, v = make_case(shape, requests, lanes, prefix, window, width=ENGINE_BLOCKS)
     scale = q.shape[-1] ** -0.5
     variants = {
         "torch": LaneAttention(paged, scratch, rows),
@@ -139,8 +144,9 @@ def run_case(shape, requests, lanes, prefix, window, do_bench) -> dict:
         "flash3": FlashLaneAttention(paged, scratch, rows, banks),
         "flash3_fa_layout": FlashLaneAttention(paged, scratch, rows, banks, fa_layout=True),
     }
-    calls = {"torch": lambda: variants["torch"](banks, q, k, v, scale),
-             "triton": lambda: variants["triton"](banks, q, k, v, scale),
+    bank_ids = torch.arange(paged.num_banks, device=banks.device)  # every bank: depth i is bank i
+    calls = {"torch": lambda: variants["torch"](bank_ids, banks, q, k, v, scale),
+             "triton": lambda: variants["triton"](bank_ids, banks, q, k, v, scale),
              "flash3": lambda: variants["flash3"](q, k, v, scale),
              "flash3_fa_layout": lambda: variants["flash3_fa_layout"](q, k, v, scale)}
     want = calls["torch"]().float()
@@ -166,7 +172,7 @@ def main() -> None:
         sys.exit("lane_attention_compare.py needs a CUDA GPU (FlashAttention 3 and the compiled Triton kernel)")
     from triton.testing import do_bench_cudagraph
 
-    cases = [("ouro-1.4b", r, 4, p, 3) for r in (1, 4, 16) for p in (128, 1024)] + \
+    cases = [("ouro-1.4b", r, 4, p, 3) for r in (1, 4, 16) for p in (128, 352, 1024)] + \
             [("huginn-0125", r, 16, p, 3) for r in (1, 4) for p in (128, 512)]
     lines = [f"# {torch.cuda.get_device_name()}, bf16, block {BLOCK}; us per call of one layer "
              "(do_bench_cudagraph); err: max abs vs the PyTorch lane attention (fp32 softmax)",

@@ -95,9 +95,10 @@ def make_shape_checkpoint(shape: str, folder: Path, agreement: str) -> None:
                     **overrides)
 
 
-def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None = None) -> list[dict]:
-    """``synthetic``: 32 arbitrary token ids each; ``heldout``: lines of the held-out works (for a
-    model trained on the corpus: ``benchmarks/train_looped.py``), tokenized."""
+def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None = None,
+             length: int = PROMPT_LEN) -> list[dict]:
+    """``synthetic``: ``length`` arbitrary token ids each; ``heldout``: lines of the held-out works (for
+    a model trained on the corpus: ``benchmarks/train_looped.py``), tokenized."""
     if kind == "heldout":
         from transformers import AutoTokenizer
 
@@ -105,7 +106,7 @@ def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None
 
         tok = AutoTokenizer.from_pretrained(checkpoint)
         return [{"prompt_token_ids": tok(text).input_ids} for text in heldout_prompts(n)]
-    return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(PROMPT_LEN)]} for i in range(n)]
+    return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(length)]} for i in range(n)]
 
 
 def _start(args, system: str, max_num_seqs: int):
@@ -199,10 +200,21 @@ def _lane_attention_mode(worker) -> str:
     return worker.model_runner.drafter.attention_mode
 
 
+def _gemm_choices(worker) -> list[str]:
+    gemm = worker.model_runner.drafter.gemm
+    return [] if gemm is None else gemm.describe()
+
+
+# The profiled request's prompt: its 64 decode steps then read 320-384 positions, the benchmark's
+# average context (32-token prompts, 64 to 576 tokens decoded).
+PROFILE_PROMPT = 320
+
+
 def profile(args) -> None:
-    """One request decodes 64 tokens with lanes on (engine in this process): once plainly timed, once
-    under ``torch.profiler``: ms per recurrent step, GPU kernel time per step, against the floor of one
-    pass over the shared block's weights at the H200's nominal 4.8 TB/s; the op table."""
+    """One request (a ``PROFILE_PROMPT``-token prompt) decodes 64 tokens with lanes on (engine in this
+    process): once plainly timed, once under ``torch.profiler``: ms per recurrent step, GPU kernel time
+    per step, against the floor of one pass over the shared block's weights at the H200's nominal
+    4.8 TB/s; the lane GEMMs' choices (cuBLAS or Triton, timed per shape); the op table."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -213,7 +225,7 @@ def profile(args) -> None:
     gpu = torch.cuda.is_available()
     llm, kw, cfg, R, _ = _start(args, args.profile_system, max_num_seqs=4)
     sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
-    prompt = _prompts(1, cfg["vocab_size"])
+    prompt = _prompts(1, cfg["vocab_size"], length=PROFILE_PROMPT)
     llm.generate(prompt, sp, use_tqdm=False)  # warm-up (and lane graph capture)
     before = engine_totals()
     t = time.perf_counter()
@@ -240,7 +252,8 @@ def profile(args) -> None:
     graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
         not kw["enforce_eager"] else "eager"
     attention = llm.collective_rpc(_lane_attention_mode)[0]
-    head = (f"{args.shape}, one request, 64 tokens, {args.profile_system}: lanes on, lane calls {graphs}, lane "
+    head = (f"{args.shape}, one request, {PROFILE_PROMPT}-token prompt, 64 tokens, {args.profile_system}: lanes "
+            f"on, lane calls {graphs}, lane "
             f"attention {attention}, {'GPU' if gpu else 'CPU'}, "
             f"{'enforce_eager' if kw['enforce_eager'] else 'compiled'} engine:\n"
             f"  unprofiled: {plain * 1000:.1f} ms, {d_plain.recurrent_steps} recurrent steps, "
@@ -249,6 +262,7 @@ def profile(args) -> None:
             f"{d.lanes_advanced / steps:.2f} lanes per step, gamma {d.summary(R)['gamma']:.2f}\n"
             f"  GPU kernel time {kernel_ms / steps:.3f} ms per recurrent step; floor (one pass over the shared "
             f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n")
+    head += "".join(f"  lane GEMM {line}\n" for line in llm.collective_rpc(_gemm_choices)[0])
     # host-side ranges the runner marks (record_function "loopspec.*"), per recurrent step, under the
     # profiler (which slows the host): "read" includes waiting for the GPU to finish the step
     ranges = {e.key[len("loopspec."):]: e.cpu_time_total / 1000 / steps for e in events

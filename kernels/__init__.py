@@ -1,7 +1,13 @@
 """GPU kernels of vllm-loop (Triton). Imported lazily: nothing here loads unless a kernel is asked for.
 
 * ``lane_attention`` -- LoopSpec's lane attention: every lane at its own depth (KV bank) reads its
-  request's committed prefix from vLLM's paged cache and its uncommitted ancestors and itself from
-  the lane pool, in one pass with an online softmax (``vllm_loop/loopspec/lane_kv.py`` has the
-  PyTorch path it is tested against).
+  request's committed prefix from vLLM's paged cache (split over programs) and its uncommitted
+  ancestors and itself from the lane pool, with an online softmax, applying RoPE as it loads q and
+  k (``vllm_loop/loopspec/lane_kv.py`` has the PyTorch path it is tested against).
+* ``norm_add_norm`` -- ``second(first(x) + residual)`` of two RMSNorms in one kernel: the seams of
+  Ouro's sandwich layers in lane calls.
+* ``skinny_gemm`` -- ``x @ w.T`` for a few rows, and ``GemmChoice``, which times it against cuBLAS
+  per shape and keeps the faster for lane calls.
+
+Each runs on CUDA and, for CI, on the CPU under ``TRITON_INTERPRET=1`` (``tests/test_lane_kernels.py``).
 """

@@ -1,14 +1,27 @@
-"""Lane attention in one Triton kernel: the paged prefix and the lane window, read in place.
+"""Lane attention in two Triton kernels: the paged prefix split over many programs, then the lane
+window and the merge.
 
 The PyTorch path (``LaneAttention`` in ``vllm_loop/loopspec/lane_kv.py``) gathers every lane's whole
 context into new tensors, casts them to fp32 and runs a masked softmax: ~20 kernels per layer, and
-memory traffic that grows with rows x padded context. Here one program handles one lane and one KV
-head (its group of query heads): it walks the lane's committed prefix through its request's block
-table, at the page of the lane's own bank, then its ancestors' and its own K/V in the lane pool,
-with an online softmax in fp32 (flash-decoding style, one pass). The lane's own new K/V is stored
-into its pool slot here too (the PyTorch path writes it with two scatters per layer first) and
-attended to from registers. Decode-shaped: a handful of query heads per program, so the products
-are broadcasts, not ``tl.dot``.
+memory traffic that grows with rows x padded context. Here (flash-decoding style, fp32 online
+softmax):
+
+1. ``_prefix_kernel``, one program per (lane, KV head, ``split`` positions of the prefix): walks its
+   piece of the lane's committed prefix through its request's block table, at the page of the
+   lane's own bank, and leaves the piece's running max, sum and weighted values. Why split: a
+   decode-shaped lane step has few lanes (4-8 at one request) and each lane walks its whole context,
+   so one program per (lane, head) left most of the GPU idle and grew linearly with the context
+   (H200, Ouro-1.4B shape, 4 lanes: 10.5 us per layer at 128 positions, 80 us at 1,024;
+   benchmarks/RESULTS.md).
+2. ``_window_merge_kernel``, one program per (lane, KV head): stores the lane's own new K/V into its
+   pool slot, attends to its ancestors (oldest first) and itself from the lane pool, and folds in
+   the prefix pieces.
+
+A lane's bank is ``bank_ids[depths[lane]]`` (the layer's banks, the lane's depth), looked up here
+rather than by a separate indexing kernel per layer, and RoPE (vLLM's ``cos_sin_cache``) is applied
+to q and the new k as they are loaded rather than by vLLM's rotary kernel: in a lane step's CUDA
+graph every kernel costs its launch gap besides its work. Decode-shaped: a handful of query heads per
+program, so the products are broadcasts, not ``tl.dot``.
 
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how CI checks it against the PyTorch path).
 """
@@ -33,104 +46,231 @@ def _online_softmax_step(q, k, v, valid, m, l, acc, scale):
 
 
 @triton.jit
-def _lane_attention_kernel(
+def _load_rotated(ptr, mask, d, cs_ptr, ROT: tl.constexpr, NEOX: tl.constexpr):
+    """Load ``[..., BLOCK_D]`` head vectors at ``ptr`` (``ptr - d`` is each vector's start) in fp32,
+    with RoPE applied over the first ``ROT`` dimensions from the position's ``cs_ptr`` row of vLLM's
+    ``cos_sin_cache`` (cos then sin, ``ROT / 2`` each), as vLLM's rotary kernel does (NeoX: halves;
+    else GPT-J: pairs). ``ROT`` 0: no RoPE."""
+    x = tl.load(ptr, mask=mask, other=0.0)
+    if ROT == 0:
+        return x.to(tl.float32)
+    half = ROT // 2
+    rot = d < ROT
+    if NEOX:
+        first = d < half
+        partner, i = tl.where(first, d + half, d - half), tl.where(first, d, d - half)
+    else:
+        first = d % 2 == 0
+        partner, i = tl.where(first, d + 1, d - 1), d // 2
+    x_p = tl.load(ptr + (partner - d), mask=mask & rot, other=0.0).to(tl.float32)
+    cos = tl.load(cs_ptr + i, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + half + i, mask=rot, other=0.0).to(tl.float32)
+    y = x.to(tl.float32) * cos + tl.where(first, -x_p, x_p) * sin
+    return tl.where(rot, y.to(x.dtype), x).to(tl.float32)  # rounded as vLLM's in-place rotation rounds
+
+
+@triton.jit
+def _bank_of(row, bank_ids_ptr, depths_ptr):
+    return tl.load(bank_ids_ptr + tl.load(depths_ptr + row))
+
+
+@triton.jit
+def _prefix_kernel(
+    q_ptr, sq0, sq1,  # q [n, Hq, D] (last stride 1)
+    k_ptr, v_ptr, sk0, sk1, sk2, sk3, sk4, sv0, sv1, sv2, sv3, sv4,  # paged K / V [blocks, pages, H, B, D]
+    page_of_ptr, bank_ids_ptr, depths_ptr, prefix_ptr,  # [banks], [layer's banks], [n], [n]
+    table_ptr, st0, st1,  # block-table rows [n, W]
+    acc_ptr, san, sah, sas,  # pieces' weighted values [n, Hq, pieces, D] fp32 (last stride 1)
+    ml_ptr, smn, smh, sms,  # pieces' running max and sum [n, Hq, pieces, 2] fp32 (last stride 1)
+    pos_ptr, cs_ptr, scs,  # RoPE: positions [n], cos_sin_cache [positions, ROT]
+    scale, rep,
+    B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # KV head
+    piece = tl.program_id(2)
+    prefix = tl.load(prefix_ptr + row)
+    start = piece * SPLIT
+    if start < prefix:
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        rmask, dmask = r < rep, d < D
+        qh = head * rep + r  # this group's query heads
+        cs = cs_ptr
+        if ROT > 0:
+            cs = cs_ptr + tl.load(pos_ptr + row).to(tl.int64) * scs
+        q = _load_rotated(q_ptr + row * sq0 + qh[:, None] * sq1 + d[None, :], rmask[:, None] & dmask[None, :],
+                          d[None, :], cs, ROT, NEOX)
+        page = tl.load(page_of_ptr + _bank_of(row, bank_ids_ptr, depths_ptr)).to(tl.int64)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        end = tl.minimum(start + SPLIT, prefix)
+        for first in range(start, end, BLOCK_N):
+            j = first + tl.arange(0, BLOCK_N)
+            jmask = j < end
+            block = tl.load(table_ptr + row * st0 + (j // B) * st1, mask=jmask, other=0).to(tl.int64)
+            off = (j % B).to(tl.int64)
+            kv_mask = jmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + block[:, None] * sk0 + page * sk1 + head * sk2 + off[:, None] * sk3 + d[None, :] * sk4,
+                        mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + block[:, None] * sv0 + page * sv1 + head * sv2 + off[:, None] * sv3 + d[None, :] * sv4,
+                        mask=kv_mask, other=0.0).to(tl.float32)
+            m, l, acc = _online_softmax_step(q, k, v, jmask, m, l, acc, scale)
+        tl.store(acc_ptr + row * san + qh[:, None] * sah + piece * sas + d[None, :], acc,
+                 mask=rmask[:, None] & dmask[None, :])
+        ml = ml_ptr + row * smn + qh * smh + piece * sms
+        tl.store(ml, m, mask=rmask)
+        tl.store(ml + 1, l, mask=rmask)
+
+
+@triton.jit
+def _window_merge_kernel(
     q_ptr, sq0, sq1,  # q [n, Hq, D] (last stride 1)
     kn_ptr, skn0, skn1, vn_ptr, svn0, svn1,  # the rows' own new k, v [n, H, D] (last stride 1)
     out_ptr, so0, so1,  # out [n, Hq, D]
-    k_ptr, v_ptr, sk0, sk1, sk2, sk3, sk4, sv0, sv1, sv2, sv3, sv4,  # paged K / V [blocks, pages, H, B, D]
-    page_of_ptr,  # [banks] page of each global bank
-    banks_ptr, prefix_ptr, slots_ptr,  # [n]
-    table_ptr, st0, st1,  # block-table rows [n, W]
+    bank_ids_ptr, depths_ptr, prefix_ptr, slots_ptr,  # [layer's banks], [n], [n], [n]
     anc_ptr, sa0, sa1,  # ancestors [n, A], -1 padded
     pool_ptr, sp0, sp1, sp2, sp3,  # lane pool kv [banks, slots, 2, H, D] (last stride 1)
+    acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms,  # the prefix kernel's pieces
+    pos_ptr, cs_ptr, scs,  # RoPE, as in the prefix kernel
     scale, A, rep,
-    B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)  # KV head
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     rmask, dmask = r < rep, d < D
-    qh = head * rep + r  # this group's query heads
-    q = tl.load(q_ptr + row * sq0 + qh[:, None] * sq1 + d[None, :], mask=rmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32)
-    bank = tl.load(banks_ptr + row)
-    page = tl.load(page_of_ptr + bank).to(tl.int64)
-    prefix = tl.load(prefix_ptr + row)
+    qh = head * rep + r
+    cs = cs_ptr
+    if ROT > 0:
+        cs = cs_ptr + tl.load(pos_ptr + row).to(tl.int64) * scs
+    q = _load_rotated(q_ptr + row * sq0 + qh[:, None] * sq1 + d[None, :], rmask[:, None] & dmask[None, :],
+                      d[None, :], cs, ROT, NEOX)
+    bank = _bank_of(row, bank_ids_ptr, depths_ptr).to(tl.int64)
 
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-
-    # 1. the committed prefix, from the paged cache at this lane's bank
-    for start in range(0, prefix, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        jmask = j < prefix
-        block = tl.load(table_ptr + row * st0 + (j // B) * st1, mask=jmask, other=0).to(tl.int64)
-        off = (j % B).to(tl.int64)
-        kv_mask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + block[:, None] * sk0 + page * sk1 + head * sk2 + off[:, None] * sk3 + d[None, :] * sk4,
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + block[:, None] * sv0 + page * sv1 + head * sv2 + off[:, None] * sv3 + d[None, :] * sv4,
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        m, l, acc = _online_softmax_step(q, k, v, jmask, m, l, acc, scale)
-
-    # 2. the lane's own K/V: into its pool slot (as stored, so self-attention sees the pool's rounding)
+    # the lane's own K/V: into its pool slot (as stored, so self-attention sees the pool's rounding)
     pool_ty = pool_ptr.dtype.element_ty
-    own = pool_ptr + bank.to(tl.int64) * sp0 + tl.load(slots_ptr + row).to(tl.int64) * sp1 + head * sp3 + d
-    k_own = tl.load(kn_ptr + row * skn0 + head * skn1 + d, mask=dmask, other=0.0).to(pool_ty)
+    own = pool_ptr + bank * sp0 + tl.load(slots_ptr + row).to(tl.int64) * sp1 + head * sp3 + d
+    k_own = _load_rotated(kn_ptr + row * skn0 + head * skn1 + d, dmask, d, cs, ROT, NEOX).to(pool_ty)
     v_own = tl.load(vn_ptr + row * svn0 + head * svn1 + d, mask=dmask, other=0.0).to(pool_ty)
     tl.store(own, k_own, mask=dmask)
     tl.store(own + sp2, v_own, mask=dmask)
 
-    # 3. the lane window: its ancestors (oldest first) from the lane pool, then itself
+    # the lane window: its ancestors (oldest first) from the lane pool, then itself (always there, so
+    # the running max is finite from here on)
     a = tl.arange(0, BLOCK_A)
     slot = tl.load(anc_ptr + row * sa0 + a * sa1, mask=a < A, other=-1)
     ancestor = (slot >= 0) & (a < A)
-    base = pool_ptr + bank.to(tl.int64) * sp0 + tl.maximum(slot, 0).to(tl.int64)[:, None] * sp1 + head * sp3 + d[None, :]
+    base = pool_ptr + bank * sp0 + tl.maximum(slot, 0).to(tl.int64)[:, None] * sp1 + head * sp3 + d[None, :]
     w_mask = ancestor[:, None] & dmask[None, :]
     is_self = a == A
     k = tl.where(is_self[:, None], k_own.to(tl.float32)[None, :], tl.load(base, mask=w_mask, other=0.0).to(tl.float32))
     v = tl.where(is_self[:, None], v_own.to(tl.float32)[None, :],
                  tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32))
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     m, l, acc = _online_softmax_step(q, k, v, ancestor | is_self, m, l, acc, scale)
+
+    # the prefix pieces, BLOCK_S at a time
+    pieces = tl.cdiv(tl.load(prefix_ptr + row), SPLIT)
+    s = tl.arange(0, BLOCK_S)
+    for first in range(0, pieces, BLOCK_S):
+        smask = (first + s) < pieces
+        sr = smask[:, None] & rmask[None, :]
+        ml = ml_ptr + row * smn + qh[None, :] * smh + (first + s)[:, None] * sms  # [S, R]
+        m_s = tl.load(ml, mask=sr, other=float("-inf"))
+        l_s = tl.load(ml + 1, mask=sr, other=0.0)
+        at = acc_ptr + row * san + qh[None, :, None] * sah + (first + s)[:, None, None] * sas + d[None, None, :]
+        acc_s = tl.load(at, mask=sr[:, :, None] & dmask[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_s, axis=0))
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(m_s - m_new[None, :])  # [S, R]; 0 for missing pieces
+        l = l * alpha + tl.sum(w * l_s, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * acc_s, axis=0)
+        m = m_new
 
     out = acc / l[:, None]
     tl.store(out_ptr + row * so0 + qh[:, None] * so1 + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
 
+BLOCK_N = 16  # prefix positions per inner step
+
+
+def default_split(lanes: int, kv_heads: int) -> int:
+    """Prefix positions per program. Few (lane, head) pairs: short pieces, so that many programs share
+    the walk; many: longer ones, since the GPU is full anyway and each piece costs a partial result.
+    Chosen from a sweep on the H200 (benchmarks/RESULTS.md): within ~1.5 us of the best split at every
+    measured shape (4-256 Ouro-1.4B lanes, 16-64 Huginn lanes, prefixes of 64-1,024 positions)."""
+    pairs = lanes * kv_heads
+    return 32 if pairs <= 256 else 64 if pairs <= 1024 else 128
+
+
 def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                   v_pages: torch.Tensor, page_of: torch.Tensor, banks: torch.Tensor, prefix: torch.Tensor,
-                   slots: torch.Tensor, block_rows: torch.Tensor, ancestors: torch.Tensor, pool: torch.Tensor,
-                   scale: float, block_n: int = 32) -> torch.Tensor:
-    """``q [n, Hq, D]`` and new ``k, v [n, H, D]`` of lanes at global banks ``banks [n]``; each
-    stores its k, v in the lane pool ``pool [banks, slots, 2, H, D]`` at its own ``slots [n]``, and
-    reads positions ``0..prefix-1`` of its request (``block_rows [n, W]``, kernel blocks of
-    ``k_pages / v_pages [blocks, pages, H, B, D]``, bank -> page by ``page_of``), then the pool at its
-    ``ancestors [n, A]`` (-1 padded), then itself. Returns ``[n, Hq, D]`` in q's dtype."""
+                   v_pages: torch.Tensor, page_of: torch.Tensor, bank_ids: torch.Tensor, depths: torch.Tensor,
+                   prefix: torch.Tensor, slots: torch.Tensor, block_rows: torch.Tensor, ancestors: torch.Tensor,
+                   pool: torch.Tensor, scale: float, split: int | None = None, rope=None) -> torch.Tensor:
+    """``q [n, Hq, D]`` and new ``k, v [n, H, D]`` of lanes at global banks ``bank_ids[depths]``
+    (``depths [n]``); each stores its k, v in the lane pool ``pool [banks, slots, 2, H, D]`` at its
+    own ``slots [n]``, and reads positions ``0..prefix-1`` of its request (``block_rows [n, W]``,
+    kernel blocks of ``k_pages / v_pages [blocks, pages, H, B, D]``, bank -> page by ``page_of``),
+    then the pool at its ``ancestors [n, A]`` (-1 padded), then itself. ``split``: prefix positions
+    per program (a multiple of ``BLOCK_N``; None: ``default_split``). ``rope``: ``(positions [n],
+    cos_sin_cache [max positions, rotary dims], is_neox_style)``, vLLM's RoPE of q and k applied here
+    (the stored k rotated), or None (q and k come rotated). Returns ``[n, Hq, D]`` in q's dtype.
+
+    The launch shapes depend only on the tensors' shapes (the prefix can reach ``W`` blocks), so a
+    CUDA graph of a call serves every prefix length."""
     n, Hq, D = q.shape
     H, B = k_pages.shape[2], k_pages.shape[3]
     rep = Hq // H
     if pool.stride(4) != 1:
         raise ValueError("lane_attention needs the lane pool contiguous in the head dimension")
+    split = split or default_split(n, H)
+    if split % BLOCK_N:
+        raise ValueError(f"lane_attention: split={split} must be a multiple of {BLOCK_N}")
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
+    if rope is None:
+        positions, cos_sin, neox = depths, q, True  # never read (ROT 0)
+        rot = 0
+    else:
+        positions, cos_sin, neox = rope
+        rot = cos_sin.shape[1]
+        if cos_sin.stride(1) != 1 or rot % 2 or rot > D:
+            raise ValueError(f"lane_attention: cos_sin_cache {tuple(cos_sin.shape)} for head size {D}")
+    pieces = triton.cdiv(block_rows.shape[1] * B, split)
+    acc = torch.empty(n, Hq, pieces, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n, Hq, pieces, 2, dtype=torch.float32, device=q.device)
+    parts = (acc, *acc.stride()[:3], ml, *ml.stride()[:3])
+    meta = dict(D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rep), ROT=rot, NEOX=neox)
+    rope_args = (positions, cos_sin, cos_sin.stride(0))
+    _prefix_kernel[(n, H, pieces)](
+        q, q.stride(0), q.stride(1),
+        k_pages, v_pages, *k_pages.stride(), *v_pages.stride(),
+        page_of, bank_ids, depths, prefix,
+        block_rows, block_rows.stride(0), block_rows.stride(1),
+        *parts, *rope_args,
+        scale, rep,
+        B=B, BLOCK_N=BLOCK_N, SPLIT=split, **meta,
+    )
     A = ancestors.shape[1]
-    _lane_attention_kernel[(n, H)](
+    _window_merge_kernel[(n, H)](
         q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         out, out.stride(0), out.stride(1),
-        k_pages, v_pages, *k_pages.stride(), *v_pages.stride(),
-        page_of, banks, prefix, slots,
-        block_rows, block_rows.stride(0), block_rows.stride(1),
+        bank_ids, depths, prefix, slots,
         ancestors if A else slots.view(n, 1), ancestors.stride(0) if A else 1, ancestors.stride(1) if A else 1,
         pool, pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
+        *parts, *rope_args,
         scale, A, rep,
-        B=B, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rep),
-        BLOCK_N=block_n, BLOCK_A=triton.next_power_of_2(A + 1),
+        BLOCK_A=triton.next_power_of_2(A + 1), SPLIT=split, BLOCK_S=min(16, triton.next_power_of_2(pieces)), **meta,
     )
     return out

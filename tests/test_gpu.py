@@ -369,13 +369,20 @@ def test_loopspec_sampling_distribution_compiled(ckpt_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, D", [((16, 16), 128), ((8, 2), 64), ((4, 4), 96)], ids=["ouro", "gqa", "huginn-d96"])
-def test_triton_lane_attention_on_gpu(dtype, heads, D):
-    """The compiled kernel against the PyTorch lane attention (the CPU test runs it interpreted)."""
+@pytest.mark.parametrize("prefix0, split, rope", [(37, None, None), (1000, None, None), (1000, 32, None),
+                                                  (300, None, "neox"), (300, 32, "gptj")],
+                         ids=["short", "long", "long-32", "neox", "gptj-32"])
+def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
+    """The compiled kernel against the PyTorch lane attention (the CPU test runs it interpreted): a
+    short prefix, and a long one in the default pieces and in 32 (more than one merge step); RoPE
+    applied by the kernel against vLLM's rotary kernel."""
+    from functools import partial
+
     from test_lane_kernels import compare
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    compare(lane_attention, "split-last", "cuda", dtype=dtype, heads=heads, D=D,
-            tol=1e-5 if dtype == torch.float32 else 2e-2)
+    compare(partial(lane_attention, split=split), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
+            tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope)
 
 
 def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):
@@ -411,3 +418,30 @@ def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):
         assert list(out.outputs[0].token_ids) == ref.greedy_generate(prompt, 24)
     print(f"GPU LoopSpec engine: 1-token decode has full graphs for {sizes[:8]}... tokens; 4 logprobs requests "
           f"identical to the reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_norm_add_norm_on_gpu(dtype):
+    """The compiled kernel against vLLM's native norms at Ouro-1.4B's width (the CPU test runs it
+    interpreted)."""
+    from test_lane_kernels import BF16_NORM_TOL, compare_norm_add_norm
+
+    compare_norm_add_norm("cuda", dtype, H=2048, tol=1e-5 if dtype == torch.float32 else BF16_NORM_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_triton_skinny_gemm_on_gpu(dtype):
+    """Every configuration of the few-rows GEMM against an fp32 product, at small shapes and at
+    Ouro-1.4B's four (the CPU test runs it interpreted); ``GemmChoice`` picks one of them or cuBLAS
+    and gives the same product whichever it picks."""
+    from test_lane_kernels import compare_skinny_gemm
+    from vllm_loop_kernels.skinny_gemm import GemmChoice
+
+    compare_skinny_gemm("cuda", dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (8, 6144, 2048),
+                                               (8, 2048, 2048), (8, 11264, 2048), (4, 2048, 5632)))
+    choice = GemmChoice()
+    for m, n, k in ((8, 2048, 2048), (4, 11264, 2048)):
+        x, w = torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype)
+        torch.testing.assert_close(choice.linear(x, w).float(), (x.float() @ w.float().T), atol=0.5, rtol=2e-2)
+    print("\n".join(choice.describe()))
+    assert len(choice.describe()) == 2

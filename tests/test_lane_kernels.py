@@ -13,13 +13,17 @@ import torch
 from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
 
 
-def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int = 0, heads=(4, 2), D=32):
+def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int = 0, heads=(4, 2), D=32,
+                        prefix0: int = 37):
     """Paged banks in ``layout`` ("split-last" or vLLM's CPU "cpu-kt"), two requests' committed
-    prefixes at every bank, a lane pool with ancestors, and rows at different banks (some padded the
-    way lane graphs pad them). -> (paged, scratch, rows, banks, q, k, v)."""
+    prefixes (``prefix0`` and 5 positions) at every bank, a lane pool with ancestors, and rows at
+    different banks (some padded the way lane graphs pad them). -> (paged, scratch, rows, bank_ids,
+    depths, q, k, v): row i at bank ``bank_ids[depths[i]]``."""
     g = torch.Generator().manual_seed(seed)
     Hq, H = heads
-    NB, S, B = 9, 3, 16
+    S, B = 3, 16
+    blocks0 = max(4, -(-prefix0 // B))
+    NB = blocks0 + 6
     backing = torch.zeros(NB, S, H, B, 2 * D, dtype=dtype)
     order = [2, 0, 1]
     caches = [backing[:, order[b]] for b in range(S)]
@@ -29,8 +33,9 @@ def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int
         paged.layout = layout
         paged.k = flat[..., : B * D].unflatten(-1, (D, B)).transpose(-1, -2)
         paged.v = flat[..., B * D:].unflatten(-1, (B, D))
-    prefix = {0: 37, 1: 5}
-    tables = {0: [3, 1, 7, 0], 1: [5, 0, 0, 0]}
+    prefix = {0: prefix0, 1: 5}
+    order0 = [3, 1, 7] + [b for b in range(NB - 1, 0, -1) if b not in (3, 1, 7, 5)]  # scattered blocks
+    tables = {0: order0[:blocks0], 1: [5] + [0] * (blocks0 - 1)}
     for r, n in prefix.items():
         pos = torch.arange(n)
         for bank in range(S):
@@ -44,11 +49,14 @@ def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int
     rows = LaneRows(
         slots=torch.tensor([s for _, s, _, _ in spec]),
         prefix=torch.tensor([prefix[r] if r is not None else 0 for r, *_ in spec]),
-        block_rows=torch.tensor([tables[r] if r is not None else [0] * 4 for r, *_ in spec]),
+        block_rows=torch.tensor([tables[r] if r is not None else [0] * blocks0 for r, *_ in spec]),
         ancestors=torch.tensor([a + [-1] * (width - len(a)) for *_, a in spec]),
-        context=64,
+        context=blocks0 * B,
     )
     banks = torch.tensor([b for _, _, b, _ in spec])
+    bank_ids = torch.tensor([1, 2, 0])  # a layer's banks, not in order: the lookup must be the kernel's
+    depths = (banks - 1) % S
+    assert torch.equal(bank_ids[depths], banks)
     n = len(spec)
     qkv = torch.randn(n, (Hq + 2 * H) * D, generator=g).to(dtype)
     move = lambda t: t.to(device)  # noqa: E731
@@ -56,35 +64,129 @@ def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int
     scratch.kv, scratch.states = move(scratch.kv), move(scratch.states)
     rows = LaneRows(*(move(x) for x in (rows.slots, rows.prefix, rows.block_rows, rows.ancestors)), rows.context)
     q, k, v = move(qkv).split([Hq * D, H * D, H * D], dim=-1)  # as the model passes them: strided views
-    return paged, scratch, rows, move(banks), q.view(n, Hq, D), k.view(n, H, D), v.view(n, H, D)
+    return (paged, scratch, rows, move(bank_ids), move(depths), q.view(n, Hq, D), k.view(n, H, D),
+            v.view(n, H, D))
 
 
-def compare(kernel, layout: str, device: str, dtype=torch.float32, heads=(4, 2), D=32, tol=1e-5):
-    paged, scratch, rows, banks, q, k, v = lane_attention_case(layout, device, dtype, heads=heads, D=D)
+def rotary_case(D: int, rope: str, device: str, dtype):
+    """vLLM's RotaryEmbedding: "neox" over the whole head, "gptj" (pairs) over half of it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    with set_current_vllm_config(VllmConfig()):
+        rotary = RotaryEmbedding(D, D if rope == "neox" else D // 2, 1024, 10000.0, rope == "neox", dtype)
+    return rotary.to(device)
+
+
+def compare(kernel, layout: str, device: str, dtype=torch.float32, heads=(4, 2), D=32, tol=1e-5, prefix0=37,
+            rope: str | None = None):
+    """The kernel against the PyTorch lane attention; ``rope`` ("neox" / "gptj"): q and k come
+    unrotated with vLLM's rotary embedding, which the kernel applies itself."""
+    paged, scratch, rows, bank_ids, depths, q, k, v = lane_attention_case(layout, device, dtype, heads=heads, D=D,
+                                                                          prefix0=prefix0)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    rope_args = None
+    if rope is not None:
+        positions = (rows.prefix + torch.arange(rows.prefix.shape[0], device=rows.prefix.device)) % 1024
+        rope_args = (rotary_case(D, rope, device, dtype), positions)
+    inputs = (q.clone(), k.clone(), v)  # vLLM's rotary rotates in place on some devices
     before = scratch.kv.clone()
-    want = LaneAttention(paged, scratch, rows)(banks, q, k, v, D**-0.5)
+    want = LaneAttention(paged, scratch, rows)(bank_ids, depths, *inputs, D**-0.5, rope=rope_args)
     kv_torch = scratch.kv.clone()
     scratch.kv.copy_(before)
-    scratch.kv[banks, rows.slots] = float("nan")  # the kernel must store the rows' own K/V itself
-    got = LaneAttention(paged, scratch, rows, kernel=kernel)(banks, q, k, v, D**-0.5)
-    assert torch.equal(scratch.kv, kv_torch)  # both write the rows' own K/V the same way
+    scratch.kv[bank_ids[depths], rows.slots] = float("nan")  # the kernel must store the rows' own K/V itself
+    got = LaneAttention(paged, scratch, rows, kernel=kernel)(bank_ids, depths, q, k, v, D**-0.5, rope=rope_args)
+    if rope is None:
+        assert torch.equal(scratch.kv, kv_torch)  # both write the rows' own K/V the same way
+    else:  # the rotated K the same up to the rotation's rounding
+        torch.testing.assert_close(scratch.kv, kv_torch, atol=tol, rtol=tol)
     torch.testing.assert_close(got[:-1].float(), want[:-1].float(), atol=tol, rtol=tol)  # real rows
     assert torch.isfinite(got).all()  # the padding row attends to itself only: finite, unused
 
 
-CASES = [(layout, heads, D) for layout in ("split-last", "cpu-kt") for heads, D in (((4, 2), 32), ((3, 3), 24))]
+# (layout, (query heads, KV heads), head size, the long prefix, positions per program, RoPE in the kernel)
+CASES = [(layout, heads, D, 37, split, None) for layout in ("split-last", "cpu-kt")
+         for heads, D in (((4, 2), 32), ((3, 3), 24)) for split in (None, 32)] + \
+        [("split-last", (4, 2), 32, 600, 32, None), ("split-last", (4, 2), 32, 100, 32, "neox"),
+         ("cpu-kt", (3, 3), 24, 37, None, "gptj")]
 
 
 def test_triton_lane_attention_equals_the_torch_path():
     """GQA and MHA, a head size that is not a power of two (Huginn's 96 is not either), both
-    in-page layouts, a prefix spanning three non-contiguous blocks, ancestors, a padding row.
+    in-page layouts, a prefix spanning three non-contiguous blocks, ancestors, a padding row; the
+    prefix in one piece and split over programs (two pieces; 19, more than one merge step); RoPE
+    applied by the kernel (NeoX over the whole head, GPT-J pairs over half of it).
 
     In a fresh process: Triton's interpreter must be on before anything imports Triton (vLLM does)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("OK") == len(CASES), proc.stdout
+
+
+def norm_add_norm_case(device: str, dtype, n: int = 5, H: int = 96, seed: int = 0):
+    """Two vLLM RMSNorms with random weights (different epsilons) and a batch of rows."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    with set_current_vllm_config(VllmConfig()):
+        first, second = RMSNorm(H, eps=1e-6), RMSNorm(H, eps=1e-5)
+    for norm in (first, second):
+        norm.weight.data = (1 + 0.3 * torch.randn(H, generator=g)).to(dtype).to(device)
+    x = (3 * torch.randn(n, H, generator=g)).to(dtype).to(device)
+    residual = torch.randn(n, H, generator=g).to(dtype).to(device)
+    return first, second, x, residual
+
+
+# bf16: a rounding that flips one ulp in the first norm moves the sum, and the second norm scales it up
+BF16_NORM_TOL = 6e-2
+
+
+def compare_norm_add_norm(device: str, dtype, H: int = 96, tol: float = 1e-6):
+    """The kernel against vLLM's native norms (``forward_native``: ``vllm.ir``'s PyTorch arithmetic)."""
+    from vllm_loop_kernels.norm_add_norm import norm_add_norm
+
+    first, second, x, residual = norm_add_norm_case(device, dtype, H=H)
+    want, want_res = second.forward_native(first.forward_native(x), residual.clone())
+    got, got_res = norm_add_norm(x, residual, first.weight, first.variance_epsilon, second.weight,
+                                 second.variance_epsilon)
+    assert got_res is residual  # updated in place, as vLLM's fused add-norm does
+    torch.testing.assert_close(got_res, want_res, atol=tol, rtol=tol)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_triton_norm_add_norm_equals_vllms_norms():
+    """Ouro's seam between sublayers (norm -> add -> norm) in one kernel, interpreted: fp32 and bf16,
+    a width that is not a power of two."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "norms"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("NORMS OK") == 2, proc.stdout
+
+
+def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64))):
+    """``skinny_gemm`` in every configuration ``GemmChoice`` may pick, against an fp32 product:
+    rows 1-16, output and input widths that fill no tile exactly, a strided ``x``."""
+    from vllm_loop_kernels.skinny_gemm import CONFIGS, skinny_gemm
+
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in shapes:
+        x = torch.randn(m, 2 * k, generator=g).to(dtype).to(device)[:, ::2]  # a strided view
+        w = torch.randn(n, k, generator=g).to(dtype).to(device)
+        want = (x.float() @ w.float().T).to(dtype)
+        for config in CONFIGS:
+            got = skinny_gemm(x, w, config)
+            torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1e-2)
+
+
+def test_triton_skinny_gemm_equals_torch():
+    """The few-rows GEMM that lane calls may choose over cuBLAS, interpreted (fp16: the interpreter's
+    numbers are NumPy's); and what ``GemmChoice`` does off CUDA or for fp32: PyTorch's own product."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "gemm"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "GEMM OK" in proc.stdout, proc.stdout
 
 
 def test_triton_lane_attention_in_the_engine(ckpt_factory):
@@ -124,11 +226,26 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
     if sys.argv[1:2] == ["engine"]:
         _engine_run(sys.argv[2])
         sys.exit(0)
+    if sys.argv[1:2] == ["gemm"]:
+        from vllm_loop_kernels.skinny_gemm import GemmChoice
+
+        compare_skinny_gemm("cpu", torch.float16)
+        choice, x, w = GemmChoice(), torch.randn(4, 8), torch.randn(6, 8)
+        assert torch.equal(choice.linear(x, w), torch.nn.functional.linear(x, w)) and not choice.choice
+        print("GEMM OK", flush=True)
+        sys.exit(0)
+    if sys.argv[1:2] == ["norms"]:
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, BF16_NORM_TOL)):
+            compare_norm_add_norm("cpu", dtype, tol=tol)
+            print(f"NORMS OK {dtype}", flush=True)
+        sys.exit(0)
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    for layout, heads, D in CASES:
-        compare(lane_attention, layout, "cpu", heads=heads, D=D)
-        print(f"OK {layout} heads={heads} D={D}", flush=True)
+    from functools import partial
+
+    for layout, heads, D, prefix0, split, rope in CASES:
+        compare(partial(lane_attention, split=split), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope)
+        print(f"OK {layout} heads={heads} D={D} prefix={prefix0} split={split} rope={rope}", flush=True)
 
 
 CUSTOM_OPS = """

@@ -103,7 +103,7 @@ def test_lane_attention_equals_attention_over_prefix_ancestors_and_self():
     Hq = 2 * H  # GQA
     q = torch.randn(3, Hq, D, generator=g)
     k, v = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
-    out = LaneAttention(paged, scratch, rows)(banks, q, k, v, D**-0.5)
+    out = LaneAttention(paged, scratch, rows)(torch.arange(S), banks, q, k, v, D**-0.5)
     for i, r in enumerate(rows_req):
         n, b = prefix[r], int(banks[i])
         pos = torch.arange(n)
@@ -130,7 +130,7 @@ class _ToyLanes:
 
         n = x.shape[0]
         q, k, v = (x @ self.wq).view(n, 2 * H, D), (x @ self.wk).view(n, H, D), (x @ self.wv).view(n, H, D)
-        return layers._lane_attention(depths % S, q, k, v, D**-0.5).reshape(n, -1)
+        return layers._lane_attention(torch.arange(S), depths % S, q, k, v, D**-0.5).reshape(n, -1)
 
     def lane_pre(self, tokens, positions):
         x = self.emb[tokens]

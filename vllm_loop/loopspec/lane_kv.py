@@ -162,13 +162,23 @@ class LaneAttention:
         self.window = own.clamp_min(0)
         self.mask = torch.cat([j.unsqueeze(0) < rows.prefix.unsqueeze(1), own >= 0], dim=1)
 
-    def __call__(self, banks: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-        """``q [n, Hq, D]``, ``k, v [n, H, D]``, ``banks [n]`` (global bank ids) -> ``[n, Hq, D]``."""
+    def __call__(self, bank_ids: torch.Tensor, depths: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, scale: float, rope=None):
+        """``q [n, Hq, D]``, ``k, v [n, H, D]`` of rows at global banks ``bank_ids[depths]`` (the layer's
+        banks, ``depths [n]``) -> ``[n, Hq, D]``. ``rope``: ``(rotary_emb, positions)`` (vLLM's rotary
+        embedding, not yet applied to q and k), or None."""
         kv = self.scratch.kv
-        if self.kernel is not None:  # it stores the rows' own K/V in the pool itself
+        if self.kernel is not None:  # it looks the banks up and stores the rows' own K/V itself
+            kernel_rope = None
+            if rope is not None and fusable_rope(rope[0]):  # and applies RoPE as it loads q and k
+                rotary, positions = rope
+                kernel_rope, rope = (positions, rotary._match_cos_sin_cache_dtype(q), rotary.is_neox_style), None
+            q, k = rotated(rope, q, k)
             r = self.rows
-            return self.kernel(q, k, v, self.paged.k, self.paged.v, self.paged.page_of, banks, r.prefix,
-                               r.slots, r.block_rows, r.ancestors, kv, scale)
+            return self.kernel(q, k, v, self.paged.k, self.paged.v, self.paged.page_of, bank_ids, depths, r.prefix,
+                               r.slots, r.block_rows, r.ancestors, kv, scale, rope=kernel_rope)
+        q, k = rotated(rope, q, k)
+        banks = bank_ids[depths]
         kv[banks, self.rows.slots, 0] = k.to(kv.dtype)
         kv[banks, self.rows.slots, 1] = v.to(kv.dtype)
         kp, vp = self.paged.gather(self.blocks, banks, self.offsets)
@@ -182,3 +192,22 @@ class LaneAttention:
         scores = scores.masked_fill(~self.mask.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("nhm,nmhd->nhd", probs, V.float()).to(q.dtype)
+
+
+def rotated(rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [n, Hq, D]``, ``k [n, H, D]`` after ``rope = (rotary_emb, positions)`` (None: as they are)."""
+    if rope is None:
+        return q, k
+    rotary, positions = rope
+    n = q.shape[0]
+    q2, k2 = rotary(positions, q.reshape(n, -1), k.reshape(n, -1))
+    return q2.view(q.shape), k2.view(k.shape)
+
+
+def fusable_rope(rotary) -> bool:
+    """Can the lane attention kernel apply ``rotary`` itself? vLLM's plain ``RotaryEmbedding`` (its
+    scaled variants only change ``cos_sin_cache``), as its CUDA kernel would apply it."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    return (isinstance(rotary, RotaryEmbedding) and type(rotary).forward_cuda is RotaryEmbedding.forward_cuda
+            and not getattr(rotary, "use_flashinfer", False) and rotary.rotary_dim <= rotary.head_size)

@@ -29,7 +29,10 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 # LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call
 # the runner installs its lane attention here, and every ``bank`` argument is a tensor of per-row
-# bank indices instead of one int: ``attend(global_banks [n], q [n, Hq, D], k, v [n, Hkv, D], scale)``.
+# depths instead of one int: ``attend(bank_ids, depths [n], q [n, Hq, D], k, v [n, Hkv, D], scale, rope)``,
+# row i at global bank ``bank_ids[depths[i]]`` (the attention looks it up: one kernel less per layer),
+# q and k not yet rotated: ``rope = (rotary_emb, positions)`` is applied by the attention (the kernel
+# fuses it where it can).
 _lane_attention: Callable | None = None
 
 
@@ -41,6 +44,19 @@ def lane_attention(attend: Callable):
         yield
     finally:
         _lane_attention = previous
+
+
+def norm_add_norm(first: nn.Module, second: nn.Module, x: torch.Tensor,
+                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``second(first(x), residual)`` of two vLLM ``RMSNorm``s: the normed sum and the new residual.
+    In a lane call on CUDA one Triton kernel (``kernels/norm_add_norm.py``): lane calls run outside
+    vLLM's compiled forward, where Inductor would have fused the pair."""
+    if _lane_attention is not None and x.is_cuda and all(
+            getattr(m, "has_weight", False) and m.variance_size_override is None for m in (first, second)):
+        from vllm_loop_kernels.norm_add_norm import norm_add_norm as fused
+
+        return fused(x, residual, first.weight, first.variance_epsilon, second.weight, second.variance_epsilon)
+    return second(first(x), residual)
 
 
 def bank_prefix(bank: int) -> str:
@@ -192,12 +208,12 @@ class BankedAttention(nn.Module):
         if self.qk_bias is not None:
             q = q + self.qk_bias[0].reshape(-1)
             k = k + self.qk_bias[1].reshape(-1)  # Huginn is MHA: one k bias per query head
-        q, k = self.rotary_emb(positions, q, k)
-        if isinstance(bank, torch.Tensor):  # a LoopSpec lane call: each row reads its own bank
-            n, D = q.shape[0], self.head_dim
-            attn = _lane_attention(self.bank_ids[bank], q.view(n, -1, D), k.view(n, -1, D), v.view(n, -1, D),
-                                   self.scale).reshape(n, -1)
+        if isinstance(bank, torch.Tensor):  # a LoopSpec lane call: each row reads its own bank (and RoPE is
+            n, D = q.shape[0], self.head_dim  # the lane attention's, which may fuse it)
+            attn = _lane_attention(self.bank_ids, bank, q.view(n, -1, D), k.view(n, -1, D), v.view(n, -1, D),
+                                   self.scale, rope=(self.rotary_emb, positions)).reshape(n, -1)
         else:
+            q, k = self.rotary_emb(positions, q, k)
             attn = self.banks[bank](q, k, v)
         out, _ = getattr(self, self.out_name)(attn)
         return out

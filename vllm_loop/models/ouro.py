@@ -21,7 +21,7 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from vllm_loop.looped import BankLayout, check_depth, ouro_exit_depth, ouro_exit_pdf
-from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights
+from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights, norm_add_norm
 from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
 
 
@@ -46,16 +46,18 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps=eps)
         self.post_attention_layernorm_2 = RMSNorm(H, eps=eps)
 
-    def forward(self, positions, x, residual, t: int):
-        # Fused add+norm: `residual` carries the un-normed stream between sublayers.
+    def forward(self, positions, x, residual, t: int, before: RMSNorm | None = None):
+        """``x``: the loop's input (``residual`` None), or the layer before's MLP output, whose norm
+        (``before``, its ``post_attention_layernorm_2``) runs here, fused with this layer's first:
+        every seam between sublayers is one norm -> add -> norm (``norm_add_norm``). Returns this
+        layer's MLP output, not yet normed, and the residual stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.input_layernorm_2(self.self_attn(positions, h, t))
-        h, residual = self.post_attention_layernorm(h, residual)
-        h = self.post_attention_layernorm_2(self.mlp(h))
-        return h, residual
+            h, residual = norm_add_norm(before, self.input_layernorm, x, residual)
+        h, residual = norm_add_norm(self.input_layernorm_2, self.post_attention_layernorm,
+                                    self.self_attn(positions, h, t), residual)
+        return self.mlp(h), residual
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
@@ -91,10 +93,11 @@ class OuroModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def core_step(self, positions: torch.Tensor, h: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
-        residual = None
+        residual, before = None, None
         for layer in self.layers:
-            h, residual = layer(positions, h, residual, t)
-        h, _ = self.norm(h, residual)
+            h, residual = layer(positions, h, residual, t, before)
+            before = layer.post_attention_layernorm_2
+        h, _ = norm_add_norm(before, self.norm, h, residual)
         return h
 
     # LoopSpec lanes: the state is h itself; the final norm already ran, so a readout is the LM head.
