@@ -200,11 +200,6 @@ def _lane_attention_mode(worker) -> str:
     return worker.model_runner.drafter.attention_mode
 
 
-def _gemm_choices(worker) -> list[str]:
-    gemm = worker.model_runner.drafter.gemm
-    return [] if gemm is None else gemm.describe()
-
-
 # The profiled request's prompt: its 64 decode steps then read 320-384 positions, the benchmark's
 # average context (32-token prompts, 64 to 576 tokens decoded).
 PROFILE_PROMPT = 320
@@ -214,7 +209,7 @@ def profile(args) -> None:
     """One request (a ``PROFILE_PROMPT``-token prompt) decodes 64 tokens with lanes on (engine in this
     process): once plainly timed, once under ``torch.profiler``: ms per recurrent step, GPU kernel time
     per step, against the floor of one pass over the shared block's weights at the H200's nominal
-    4.8 TB/s; the lane GEMMs' choices (cuBLAS or Triton, timed per shape); the op table."""
+    4.8 TB/s; the op table."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -262,7 +257,6 @@ def profile(args) -> None:
             f"{d.lanes_advanced / steps:.2f} lanes per step, gamma {d.summary(R)['gamma']:.2f}\n"
             f"  GPU kernel time {kernel_ms / steps:.3f} ms per recurrent step; floor (one pass over the shared "
             f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n")
-    head += "".join(f"  lane GEMM {line}\n" for line in llm.collective_rpc(_gemm_choices)[0])
     # host-side ranges the runner marks (record_function "loopspec.*"), per recurrent step, under the
     # profiler (which slows the host): "read" includes waiting for the GPU to finish the step
     ranges = {e.key[len("loopspec."):]: e.cpu_time_total / 1000 / steps for e in events

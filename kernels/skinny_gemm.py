@@ -1,30 +1,27 @@
-"""``x @ w.T`` for a handful of rows (Triton), and the choice between it and cuBLAS, made by timing.
+"""``x @ w.T`` for a handful of rows (Triton): a candidate for the lanes' linear layers, not used by
+the engine yet.
 
 A lane step at one request multiplies 4-8 rows by every weight matrix of the shared block: pure
 weight streaming. cuBLAS does that near the H200's bandwidth for the wide matrices, but for the
 square attention output (Ouro-1.4B's 2,048 x 2,048) it picked a split-K kernel plus a reduction:
 10.7 us for 8.4 MB, a quarter of the bandwidth (benchmarks/RESULTS.md, eleventh run). Here each
 program streams ``BLOCK_N`` whole rows of ``w`` and multiplies them with all rows of ``x`` at once.
-
-Which is faster depends on the shape and the GPU, so ``GemmChoice`` times cuBLAS and a few
-configurations of the kernel the first time it sees a (rows, out, in, dtype) and keeps the fastest.
-16-bit inputs only: fp32 goes to cuBLAS (``tl.dot`` would round fp32 to TF32).
+Whether that beats cuBLAS, and in which configuration, is for ``benchmarks/lane_gemm_compare.py`` to
+measure on the GPU (under CUDA graphs, as lane calls run): timed eagerly, each call's launch costs
+the host more than the product costs the GPU, and that hides the difference. 16-bit inputs only
+(``tl.dot`` would round fp32 to TF32).
 
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how CI checks it against ``torch``).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
-logger = logging.getLogger("vllm.plugins.vllm_loop_kernels.skinny_gemm")  # inside vLLM's logger tree
-
 MAX_ROWS = 16  # tl.dot's smallest row tile: fewer rows are masked, more go to cuBLAS
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried against cuBLAS
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the configurations benchmarks/lane_gemm_compare.py times
 CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 512, 8, 3))
 
 
@@ -57,57 +54,3 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config=CONFIGS[0]) -> torch.Te
                                                     BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
                                                     num_warps=warps, num_stages=stages)
     return out
-
-
-def _time(fn, reps: int = 20) -> float:
-    """Mean seconds per call of ``fn`` on the current stream (after a warm-up that also compiles)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-class GemmChoice:
-    """``linear(x, w)``: cuBLAS or ``skinny_gemm``, whichever timed faster for this (rows, out, in,
-    dtype) the first time it came. Nothing is timed while a CUDA graph is being captured (cuBLAS then,
-    until a later call outside a capture decides); lane graphs warm every call up before they capture
-    it, so the decision is made by then."""
-
-    def __init__(self):
-        self.choice: dict[tuple, tuple | None] = {}  # key -> a config, or None: cuBLAS
-        self.times: dict[tuple, dict] = {}  # key -> seconds per call of each candidate (for logs)
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in (torch.float16, torch.bfloat16) or not x.is_cuda:
-            return torch.nn.functional.linear(x, w)
-        key = (x.shape[0], *w.shape, x.dtype)
-        if key not in self.choice:
-            if torch.cuda.is_current_stream_capturing():
-                return torch.nn.functional.linear(x, w)
-            self.times[key] = self._time_all(x, w)
-            self.choice[key] = min(self.times[key], key=self.times[key].get)
-            logger.info("lane GEMM %s", self._line(key))
-        config = self.choice[key]
-        return torch.nn.functional.linear(x, w) if config is None else skinny_gemm(x, w, config)
-
-    @staticmethod
-    def _time_all(x: torch.Tensor, w: torch.Tensor) -> dict:
-        times = {None: _time(lambda: torch.nn.functional.linear(x, w))}
-        for config in CONFIGS:
-            times[config] = _time(lambda: skinny_gemm(x, w, config))
-        return times
-
-    def _line(self, key: tuple) -> str:
-        """The shape, cuBLAS's time, and the chosen kernel's."""
-        (m, n, k, _), times, config = key, self.times[key], self.choice[key]
-        chosen = "cuBLAS" if config is None else f"Triton {config} {times[config] * 1e6:.1f} us"
-        return f"{m}x{k} @ {k}x{n}: cuBLAS {times[None] * 1e6:.1f} us; chosen: {chosen}"
-
-    def describe(self) -> list[str]:
-        """One line per decision (for logs and benchmarks)."""
-        return [self._line(key) for key in sorted(self.times, key=lambda key: key[:3])]

@@ -432,16 +432,8 @@ def test_triton_norm_add_norm_on_gpu(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_triton_skinny_gemm_on_gpu(dtype):
     """Every configuration of the few-rows GEMM against an fp32 product, at small shapes and at
-    Ouro-1.4B's four (the CPU test runs it interpreted); ``GemmChoice`` picks one of them or cuBLAS
-    and gives the same product whichever it picks."""
+    Ouro-1.4B's four (the CPU test runs it interpreted)."""
     from test_lane_kernels import compare_skinny_gemm
-    from vllm_loop_kernels.skinny_gemm import GemmChoice
 
     compare_skinny_gemm("cuda", dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (8, 6144, 2048),
                                                (8, 2048, 2048), (8, 11264, 2048), (4, 2048, 5632)))
-    choice = GemmChoice()
-    for m, n, k in ((8, 2048, 2048), (4, 11264, 2048)):
-        x, w = torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype)
-        torch.testing.assert_close(choice.linear(x, w).float(), (x.float() @ w.float().T), atol=0.5, rtol=2e-2)
-    print("\n".join(choice.describe()))
-    assert len(choice.describe()) == 2

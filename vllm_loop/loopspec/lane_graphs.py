@@ -146,54 +146,14 @@ def cuda_custom_ops(model, cuda: bool):
             op._forward_method = method
 
 
-class _ChosenGemm:
-    """A linear layer's method for the length of a lane call: its bias-free products by a
-    ``GemmChoice`` (``kernels/skinny_gemm.py``), everything else by the layer's own method."""
-
-    def __init__(self, method, choice):
-        self.method, self.choice = method, choice
-
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if bias is None:
-            return self.choice.linear(x, layer.weight)
-        return self.method.apply(layer, x, bias)
-
-
-@contextmanager
-def chosen_gemms(model, choice):
-    """The model's unquantized vLLM linear layers multiply through ``choice`` for the length of a lane
-    call (None: nothing changes). Lane rows are few, and cuBLAS's kernel for a few rows is not always
-    the fastest (the square attention output of Ouro-1.4B ran at a quarter of the H200's bandwidth).
-    vLLM's compiled forward never reads ``quant_method`` again, so it keeps what it compiled."""
-    if choice is None:
-        yield
-        return
-    shims = getattr(model, "_vllm_loop_gemm_shims", None)
-    if shims is None or shims[0] is not choice:
-        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-
-        layers = [m for m in model.modules()
-                  if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod)]
-        shims = model._vllm_loop_gemm_shims = (choice, [(m, m.quant_method, _ChosenGemm(m.quant_method, choice))
-                                                        for m in layers])
-    for layer, _, shim in shims[1]:
-        layer.quant_method = shim
-    try:
-        yield
-    finally:
-        for layer, method, _ in shims[1]:
-            layer.quant_method = method
-
-
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
-              context: int, kernel=None, gemm=None) -> torch.Tensor | None:
+              context: int, kernel=None) -> torch.Tensor | None:
     """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
     returns ``(logits, argmax)`` of every row (padding rows included) and keeps the argmax in
-    ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention);
-    ``gemm``: a ``GemmChoice`` for the linear layers (None: their own method)."""
+    ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention)."""
     rows, positions, depths, tokens, sources = device_rows(packed, ancestors, context)
     with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms(), \
-            cuda_custom_ops(model, packed.is_cuda), chosen_gemms(model, gemm):
+            cuda_custom_ops(model, packed.is_cuda):
         if kind == "pre":
             tokens = torch.where(sources >= 0, scratch.readout[sources.clamp_min(0)], tokens)
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
@@ -217,8 +177,8 @@ class LaneGraphs:
     #                      K/V per row, so a graph's memory grows with both (the kernel's does not)
 
     def __init__(self, model, paged: PagedBanks, scratch: LaneScratch, *, table_width: int, ancestors: int,
-                 max_rows: int, capture: bool, kernel=None, gemm=None):
-        self.model, self.paged, self.scratch, self.kernel, self.gemm = model, paged, scratch, kernel, gemm
+                 max_rows: int, capture: bool, kernel=None):
+        self.model, self.paged, self.scratch, self.kernel = model, paged, scratch, kernel
         self.ancestors, self.table_width, self.capture = ancestors, table_width, capture
         self.max_rows = 1 << (max(1, max_rows) - 1).bit_length()
         self.max_context = table_width * paged.block_size
@@ -252,7 +212,7 @@ class LaneGraphs:
         graph, out = self._graphs[key]
         if graph is None:  # no CUDA: the same padded call, eagerly
             out = lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
-                            batch.context, self.kernel, self.gemm)
+                            batch.context, self.kernel)
         else:
             graph.replay()
         return None if out is None else tuple(x[: batch.n] for x in out)
@@ -267,7 +227,7 @@ class LaneGraphs:
 
         def body():
             return lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
-                             context, self.kernel, self.gemm)
+                             context, self.kernel)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

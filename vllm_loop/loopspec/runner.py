@@ -74,17 +74,6 @@ def triton_lane_attention(cuda: bool):
     return lane_attention
 
 
-def lane_gemm_choice(cuda: bool):
-    """A ``GemmChoice`` for lane calls on CUDA (``kernels/skinny_gemm.py``), else None."""
-    from vllm import envs
-
-    if not cuda or envs.VLLM_BATCH_INVARIANT:
-        return None
-    from vllm_loop_kernels.skinny_gemm import GemmChoice
-
-    return GemmChoice()
-
-
 def _lanes_on(so) -> bool:
     """The lanes policy's decision for this step (set by ``LoopSpecScheduler.schedule``)."""
     return getattr(so, "loopspec_lanes", True)
@@ -223,9 +212,6 @@ class LoopSpecRunner:
             self.attention_mode = "triton" if self.cuda else "torch"
         # the Triton lane attention (lane_attention "triton"); checked here, at start-up
         self.kernel = triton_lane_attention(self.cuda) if self.attention_mode == "triton" else None
-        # the linear layers of lane calls: cuBLAS or a Triton kernel for few rows, whichever times faster
-        # per shape (CUDA; vLLM's batch-invariant mode keeps its own GEMMs)
-        self.gemm = lane_gemm_choice(self.cuda)
         tp = vllm_config.parallel_config.tensor_parallel_size
         if graph_mode == "on" and tp > 1:
             raise ValueError("speculative_config (loopspec): lane_graphs='on' needs tensor_parallel_size 1 "
@@ -458,7 +444,7 @@ class LoopSpecRunner:
             self.graphs = LaneGraphs(self.model, self.paged, self.scratch,
                                      table_width=runner.input_batch.block_table[0].block_table.np.shape[1],
                                      ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=self.cuda,
-                                     kernel=self.kernel, gemm=self.gemm)
+                                     kernel=self.kernel)
         calls = "eager" if self.graphs is None else "as CUDA graphs" if self.cuda else "padded to graph shapes (no CUDA)"
         logger.info("LoopSpec lanes: %d slots (%d requests x %d lanes + 1), %.1f MiB of lane KV and states, "
                     "KV layout %s, lane calls %s, lane attention %s", slots, self.max_num_seqs, self.max_lanes, mib,
@@ -504,7 +490,7 @@ class LoopSpecRunner:
             if shape is not None:
                 return self.graphs(kind, batch)
             packed = upload(batch.columns(), self.scratch.kv.device)
-            return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel, self.gemm)
+            return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel)
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
