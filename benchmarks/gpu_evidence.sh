@@ -11,7 +11,7 @@
 #   huginn    Huginn-0125 shape (R=32, 2:8), concurrency 1 and 4
 #   identity  fp32 greedy identity: lane graphs on and off, PyTorch and Triton lane attention
 #   gpu-tests every other GPU test (parity, async, mixed rows, sampling distribution, kernels)
-# About 13 / 5 / 6 / 15 / 15 minutes on one H200 with cold compile caches.
+# About 9 / 5 / 6 / 15 / 15 minutes on one H200 with cold compile caches.
 set -u
 out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [speed random huginn identity gpu-tests]}
 shift

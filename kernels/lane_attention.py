@@ -11,8 +11,8 @@ softmax):
    lane's own bank, and leaves the piece's running max, sum and weighted values. Why split: a
    decode-shaped lane step has few lanes (4-8 at one request) and each lane walks its whole context,
    so one program per (lane, head) left most of the GPU idle and grew linearly with the context
-   (H200, Ouro-1.4B shape, 4 lanes: 10.5 us per layer at 128 positions, 80 us at 1,024;
-   benchmarks/RESULTS.md).
+   (H200, Ouro-1.4B shape, 4 lanes: 10.4 us per layer at 128 positions, 81 us at 1,024; split:
+   9.7 and 25 us; benchmarks/RESULTS.md, twelfth run).
 2. ``_window_merge_kernel``, one program per (lane, KV head): stores the lane's own new K/V into its
    pool slot, attends to its ancestors (oldest first) and itself from the lane pool, and folds in
    the prefix pieces.
@@ -205,8 +205,9 @@ BLOCK_N = 16  # prefix positions per inner step
 def default_split(lanes: int, kv_heads: int) -> int:
     """Prefix positions per program. Few (lane, head) pairs: short pieces, so that many programs share
     the walk; many: longer ones, since the GPU is full anyway and each piece costs a partial result.
-    Chosen from a sweep on the H200 (benchmarks/RESULTS.md): within ~1.5 us of the best split at every
-    measured shape (4-256 Ouro-1.4B lanes, 16-64 Huginn lanes, prefixes of 64-1,024 positions)."""
+    Chosen from a sweep on the H200 (benchmarks/RESULTS.md, twelfth run): within ~2 us or ~6 % of the
+    best swept split at every measured shape (4-256 Ouro-1.4B lanes, 16-64 Huginn lanes, prefixes of
+    64-1,024 positions)."""
     pairs = lanes * kv_heads
     return 32 if pairs <= 256 else 64 if pairs <= 1024 else 128
 

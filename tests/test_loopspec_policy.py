@@ -142,6 +142,48 @@ def test_a_warmup_is_a_trial_step_not_the_lanes_rate():
     assert only.lanes(3) is False and only.describe()[4]["lanes"] == 300.0
 
 
+def test_the_first_plain_step_after_lanes_is_a_warmup():
+    """The plain step right after a lanes-mode step is slow (not pipelined, after the lane step's last
+    work): it takes a plain trial step but neither sets plain's rate nor ends the trial early; the
+    next, steady plain step does."""
+    policy = LanePolicy(trial=4, recheck=1000)
+    for _ in range(4):
+        assert policy.lanes(64) is True
+        policy.observe(StepSample(True, 64, 192, 0.04))  # 4,800 tokens/s
+    assert policy.lanes(64) is False
+    policy.observe(StepSample(False, 64, 64, 0.025, warmup=True))  # 2,560 tokens/s: below 0.75x lanes
+    assert policy.lanes(64) is False  # the trial goes on
+    policy.observe(StepSample(False, 64, 64, 0.0125))  # 5,120 tokens/s
+    assert policy.describe()[64]["plain"] == 5120.0
+
+
+def test_contexts_growing_at_64_requests_end_in_plain_steps():
+    """The twelfth H200 run's 64-request case, as a model: a lane step (2.8 tokens per request, 1 in a
+    warm-up) costs 20 ms + 0.09 ms per position of context, a plain step 9.5 ms + 0.0085 ms per
+    position, and the first plain step after lanes twice that. Lanes win below ~100 positions only.
+    Over a 576-token run from a 32-token prompt (after a 64-token one), the policy runs plain steps
+    nearly throughout and stays within 2 % of plain decoding alone."""
+    def run(policy: LanePolicy, n_tokens: int) -> tuple[float, int]:
+        context, out, seconds, last, lane_steps = 32, 0.0, 0.0, False, 0
+        while out < n_tokens:
+            lanes = policy.lanes(64)
+            if lanes:
+                tokens = 1.0 if not last else 2.8
+                dt = (20 + 0.09 * context) / 1000
+                lane_steps += 1
+            else:
+                tokens, dt = 1.0, (9.5 + 0.0085 * context) / 1000 * (2.0 if last else 1.0)
+            policy.observe(StepSample(lanes, 64, int(64 * tokens), dt, warmup=lanes != last))
+            last, out, context, seconds = lanes, out + tokens, context + tokens, seconds + dt
+        return seconds, lane_steps
+
+    policy = LanePolicy()
+    run(policy, 64)
+    seconds, lane_steps = run(policy, 576)
+    plain_only = sum((9.5 + 0.0085 * (32 + i)) / 1000 for i in range(576))
+    assert lane_steps <= 8 and seconds <= 1.02 * plain_only, (lane_steps, seconds / plain_only)
+
+
 def test_on_always_runs_lanes_and_bad_modes_are_refused():
     policy = LanePolicy("on")
     assert _run(policy, rows=4, steps=20, speed={True: 1.0, False: 1000.0}) == [True] * 20
@@ -158,8 +200,9 @@ def test_a_pattern_fixes_the_decisions_for_tests():
 
 def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     """A lane step that captured a lane CUDA graph, and the last step of a pipelined run (no time
-    given), are not throughput samples; an ordinary lane or plain decode step is, and a lane step in
-    which most rows had just started their lanes is a warm-up."""
+    given), are not throughput samples; an ordinary lane or plain decode step is; a lane step in
+    which most rows had just started their lanes is a warm-up, and so is a plain step right after a
+    lanes-mode step."""
     from types import SimpleNamespace
 
     from vllm_loop.loopspec.metrics import EngineCounters
@@ -176,7 +219,11 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     assert step_sample(so(True), out, EngineCounters(lane_steps=1, graph_captures=2), 0.01) is None
     assert step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=2), 0.01).warmup
     assert not step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=1), 0.01).warmup
-    assert step_sample(so(False), SimpleNamespace(sampled_token_ids=[[1], [3]]), None, 0.01).tokens == 2
+    plain_out = SimpleNamespace(sampled_token_ids=[[1], [3]])
+    assert step_sample(so(False), plain_out, None, 0.01).tokens == 2
+    assert not step_sample(so(False), plain_out, None, 0.01).warmup
+    assert step_sample(so(False), plain_out, None, 0.01, after_lanes=True).warmup  # right after a lane step
+    assert not step_sample(so(True), out, lane_step, 0.01, after_lanes=True).warmup
     assert step_sample(so(False), out, None, None) is None
 
 

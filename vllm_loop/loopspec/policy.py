@@ -17,11 +17,15 @@ bucket's engine time (at most 16 x ``recheck``). At 64-128 requests on the H200 
 as much as ~7 plain steps, and re-checking every 256-1,024 steps was what kept LoopSpec below vanilla
 there (benchmarks/RESULTS.md, ninth run).
 
-A lane step whose requests mostly start their lanes afresh (after plain steps or their prefill) is a
-*warm-up*: every pipeline is empty, so each request commits one token after R recurrent steps. It
-counts as a trial step but not in the lanes' rate -- it is the price of switching, which the
-re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is
-clearly slower than the other mode ends there.
+The first step of a mode after the other is a *warm-up*. A lane step whose requests mostly start
+their lanes afresh (after plain steps or their prefill): every pipeline is empty, so each request
+commits one token after R recurrent steps. The plain step right after a lanes-mode step: under async
+scheduling it is not pipelined behind another step, and it runs after the lane step's last work.
+A warm-up counts as a trial step but not in its mode's rate -- it is the price of switching, which
+the re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is
+clearly slower than the other mode ends there. (Before plain steps had warm-ups, a plain trial after
+lanes could end on its slow first step, and plain's rate stayed that step's: the likely reason lanes
+ran 141 of 259 steps at 64 requests on the H200 while losing, benchmarks/RESULTS.md, twelfth run.)
 
 The choice changes only on rates measured side by side (a trial or re-check), because both modes
 slow down as contexts grow: when running lanes fall below plain's older rate, plain is re-checked at
@@ -57,7 +61,8 @@ LANES_MARGIN = 1.1
 @dataclass
 class StepSample:
     """One decode-only engine step: which mode ran it, its decode rows, the tokens they committed
-    and the engine time it took (schedule + execute + update); a lane step may be a warm-up."""
+    and the engine time it took (schedule + execute + update); ``warmup``: the first step of its mode
+    after the other (see the module's docstring)."""
 
     lanes: bool
     rows: int
@@ -71,8 +76,9 @@ class _Bucket:
     rate: dict[bool, float] = field(default_factory=dict)  # lanes? -> tokens/s (moving average)
     step_s: dict[bool, float] = field(default_factory=dict)  # lanes? -> seconds per step (moving average)
     seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # samples in this trial
-    steady: bool = False  # the lanes' rate comes from a steady (not warm-up) sample of this trial
-    warmup: tuple[float, int] | None = None  # the last warm-up lane step: seconds, tokens
+    # mode -> its rate comes from a steady (not warm-up) sample of this trial
+    steady: dict[bool, bool] = field(default_factory=lambda: {True: False, False: False})
+    warmup: dict[bool, tuple[float, int]] = field(default_factory=dict)  # mode -> its last warm-up: seconds, tokens
     steps: int = 0  # decisions taken after both trials
     next_check: int = 0
     rechecking: bool = False  # the other mode is on trial again
@@ -136,8 +142,7 @@ class LanePolicy:
         share = b.rate[other] / b.rate[best]
         steps = 1 if share < EARLY_END else self.trial  # a clearly slower mode's trial ends early
         cost = steps * b.step_s[other] * max(0.0, 1.0 - share)
-        if b.warmup is not None:  # lanes go on trial, or come back after plain's: one warm-up step
-            seconds, tokens = b.warmup
+        for seconds, tokens in b.warmup.values():  # there and back: one warm-up of each mode
             cost += max(0.0, seconds - tokens / b.rate[best])
         return min(max(self.recheck, math.ceil(cost / (self.budget * b.step_s[best]))), 16 * self.recheck)
 
@@ -148,13 +153,13 @@ class LanePolicy:
         mode, rate = sample.lanes, sample.tokens / sample.seconds
         fresh = b.seen[mode] == 0  # a fresh trial replaces the old estimate; later samples are averaged in
         b.seen[mode] += 1
-        if sample.warmup:  # (lane steps only)
-            b.warmup = (sample.seconds, sample.tokens)
+        if sample.warmup:
+            b.warmup[mode] = (sample.seconds, sample.tokens)
             if not fresh:
-                return  # the switch's price, not the lanes' rate
-            b.steady = False  # a stand-in, until a steady sample of this trial replaces it
-        elif mode:
-            fresh, b.steady = fresh or not b.steady, True
+                return  # the switch's price, not the mode's rate
+            b.steady[mode] = False  # a stand-in, until a steady sample of this trial replaces it
+        else:
+            fresh, b.steady[mode] = fresh or not b.steady[mode], True
         for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
             old = values.get(mode)
             values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)

@@ -61,11 +61,12 @@ def loopspec_spec_stats(step: EngineCounters, num_spec_tokens: int) -> SpecDecod
     return stats
 
 
-def step_sample(so, output, step: EngineCounters | None, seconds: float | None) -> StepSample | None:
+def step_sample(so, output, step: EngineCounters | None, seconds: float | None,
+                after_lanes: bool = False) -> StepSample | None:
     """A policy sample from a finished step that ran in the mode the policy chose for it: a lane step
     (a warm-up when most of its rows had just started their lanes), or a plain step of decode rows
-    with no drafts. Other steps (a prefill joined, a chain verified as drafts) say little about either
-    mode's speed."""
+    with no drafts (a warm-up ``after_lanes``: right after a lanes-mode step). Other steps (a prefill
+    joined, a chain verified as drafts) say little about either mode's speed."""
     lanes = getattr(so, "loopspec_lanes", True)
     if seconds is None or output is None or not so.num_scheduled_tokens or not getattr(output, "sampled_token_ids", None):
         return None
@@ -79,7 +80,7 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None) 
     tokens = sum(len(t) for t in output.sampled_token_ids)
     rows = len(so.num_scheduled_tokens)
     return StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=seconds,
-                      warmup=lanes and 2 * step.warmup_rows > rows)
+                      warmup=2 * step.warmup_rows > rows if lanes else after_lanes)
 
 
 # The engine core publishes its LoopSpec totals to a file the front end's /metrics reads. Writing it
@@ -99,6 +100,7 @@ class LoopSpecScheduler(Scheduler):
         self.lane_policy = LanePolicy((knobs(self.vllm_config) or {}).get("lanes", "on"),
                                       pattern=os.environ.get(PATTERN_ENV))
         self._published_at, self._unpublished = 0.0, False
+        self._last_lanes = False  # the mode of the last step that ran (for plain steps' warm-ups)
 
     def schedule(self, *args, **kwargs):
         start = time.perf_counter()
@@ -110,9 +112,11 @@ class LoopSpecScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         self._loopspec_step = getattr(model_runner_output, "loopspec", None)
         sample = step_sample(scheduler_output, model_runner_output, self._loopspec_step,
-                             self._step_seconds(scheduler_output))
+                             self._step_seconds(scheduler_output), after_lanes=self._last_lanes)
         if sample is not None:
             self.lane_policy.observe(sample)
+        if scheduler_output.num_scheduled_tokens:
+            self._last_lanes = getattr(scheduler_output, "loopspec_lanes", True)
         if self._loopspec_step is not None:
             self.loopspec_totals.add(self._loopspec_step)
             self._unpublished = True
