@@ -8,7 +8,8 @@ variant is three steps: store the rows' own K/V in the pool, FlashAttention 3 (v
 ``vllm_flash_attn``) over the prefix with ``block_table[row] = block * pages + page_of[bank]`` on the
 cache viewed as ``[blocks * pages, B, H, D]`` (every (block, bank) page becomes one FA page), a small
 attention over the window that also returns its log-sum-exp, and vLLM's ``merge_attn_states``. The
-Triton kernel (``kernels/lane_attention.py``) does all of it in one launch.
+Triton kernels (``kernels/lane_attention.py``) do all of it in two launches (the prefix split over
+programs, then the window and the merge).
 
 Every variant runs on the same inputs (vLLM's packed KV layout of a LoopSpec engine: all banks of a
 block contiguous, K | V split in the last dimension) and is checked against the PyTorch lane

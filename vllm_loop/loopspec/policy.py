@@ -41,7 +41,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from vllm_loop import get_logger
+
+logger = get_logger(__name__)
+
 LANES_MODES = ("auto", "on")
+_MODE = {True: "lanes", False: "plain"}
 # Tests only: a fixed cycle of decisions ("LLPPP": two lane steps, three plain, repeated) instead of
 # measured ones, so that a test can force every transition. An environment variable because the
 # policy lives in the engine-core process; it is not part of vLLM's compile hash.
@@ -126,12 +131,22 @@ class LanePolicy:
                 b.next_check = b.steps
         if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan the next re-check
             b.next_check = b.steps + self.wait(b, best)
+            if best != b.last:
+                self._log(rows, b, f"{_MODE[best]} chosen", f"next re-check in {b.next_check - b.steps} decisions")
         b.rechecking, b.last = False, best
         if b.steps >= b.next_check:  # start a re-measurement of the other mode
             b.rechecking = True
             b.seen[not best] = 0
+            self._log(rows, b, f"re-checking {_MODE[not best]}", f"{b.steps} decisions in")
             return not best
         return best
+
+    @staticmethod
+    def _log(rows: int, b: _Bucket, what: str, when: str) -> None:
+        """One line per choice that changes and per re-check (rare: the engine log then shows why a
+        bucket ran what it ran)."""
+        logger.info("LoopSpec lanes policy, %d requests (bucket %d): %s (lanes %.0f, plain %.0f tokens/s); %s",
+                    rows, bucket_of(rows), what, b.rate.get(True, 0.0), b.rate.get(False, 0.0), when)
 
     def wait(self, b: _Bucket, best: bool) -> int:
         """Decisions until the next re-check of the mode that is not ``best``: ``recheck``, or more

@@ -208,8 +208,9 @@ class BankedAttention(nn.Module):
         if self.qk_bias is not None:
             q = q + self.qk_bias[0].reshape(-1)
             k = k + self.qk_bias[1].reshape(-1)  # Huginn is MHA: one k bias per query head
-        if isinstance(bank, torch.Tensor):  # a LoopSpec lane call: each row reads its own bank (and RoPE is
-            n, D = q.shape[0], self.head_dim  # the lane attention's, which may fuse it)
+        # a LoopSpec lane call: each row reads its own bank, and RoPE is the lane attention's (it may fuse it)
+        if isinstance(bank, torch.Tensor):
+            n, D = q.shape[0], self.head_dim
             attn = _lane_attention(self.bank_ids, bank, q.view(n, -1, D), k.view(n, -1, D), v.view(n, -1, D),
                                    self.scale, rope=(self.rotary_emb, positions)).reshape(n, -1)
         else:
