@@ -8,7 +8,7 @@
 #             a profile of lane steps at concurrency 1 (the overlap's serial order side by side:
 #             add loopspec-auto-serial to --systems)
 #   random    the same shape with random weights (low acceptance): concurrency 1, 64, 128
-#   huginn    Huginn-0125 shape (R=32, 2:8), concurrency 1 and 4
+#   huginn    Huginn-0125 shape (R=32, 2:8), concurrency 1 and 4; a profile of its lane steps at 1
 #   identity  fp32 greedy identity: lane graphs on and off, PyTorch and Triton lane attention
 #   gpu-tests every other GPU test (parity, async, mixed rows, sampling distribution, kernels)
 # About 9 / 5 / 6 / 15 / 15 minutes on one H200 with cold compile caches.
@@ -29,7 +29,7 @@ for step in $steps; do
     case $step in
         speed) speed ouro-1.4b 0.001 ouro-1.4b vanilla,loopspec-auto 1 4 16 64 128 --profile ;;
         random) speed ouro-1.4b 0 ouro-1.4b-random vanilla,loopspec-auto 1 64 128 ;;
-        huginn) speed huginn-0125 0.001 huginn-0125 vanilla,loopspec 1 4 ;;
+        huginn) speed huginn-0125 0.001 huginn-0125 vanilla,loopspec 1 4 --profile ;;
         identity) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "greedy_identity_compiled and not async" ;;
         gpu-tests) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "not (greedy_identity_compiled and not async)" ;;
         *) echo "unknown step $step; allowed: speed random huginn identity gpu-tests"; false ;;

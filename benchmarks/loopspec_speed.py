@@ -346,6 +346,8 @@ def main() -> int:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as err:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        with open(log, "a") as err:  # vLLM logs to stdout: its start-up times (compile, graphs) belong here
+            err.write(proc.stdout)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:  # keep the other systems' numbers; report this one
             print(proc.stdout[-3000:], log.read_text()[-6000:], file=sys.stderr)
