@@ -218,7 +218,7 @@ def profile(args) -> None:
     from vllm_loop.loopspec.stat_logger import engine_totals
 
     gpu = torch.cuda.is_available()
-    llm, kw, cfg, R, _ = _start(args, args.profile_system, max_num_seqs=4)
+    llm, kw, cfg, R, startup = _start(args, args.profile_system, max_num_seqs=4)
     sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
     prompt = _prompts(1, cfg["vocab_size"], length=PROFILE_PROMPT)
     llm.generate(prompt, sp, use_tqdm=False)  # warm-up (and lane graph capture)
@@ -251,6 +251,9 @@ def profile(args) -> None:
             f"on, lane calls {graphs}, lane "
             f"attention {attention}, {'GPU' if gpu else 'CPU'}, "
             f"{'enforce_eager' if kw['enforce_eager'] else 'compiled'} engine:\n"
+            # the benchmark's engines ran before in this run: vLLM's compile caches are warm when one
+            # of them had this engine's settings (--systems has --profile-system)
+            f"  engine start {startup:.1f} s (after the benchmark's engines; max_num_seqs 4)\n"
             f"  unprofiled: {plain * 1000:.1f} ms, {d_plain.recurrent_steps} recurrent steps, "
             f"{plain * 1000 / max(d_plain.recurrent_steps, 1):.2f} ms per recurrent step (whole engine time / steps)\n"
             f"  profiled: {wall * 1000:.1f} ms wall, {d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps, "
@@ -402,6 +405,7 @@ def main() -> int:
                "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager,
                "--profile-system", args.profile_system]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        Path(args.out).with_suffix(".profile.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
             raise SystemExit(f"profile: the worker failed (exit {proc.returncode})")
