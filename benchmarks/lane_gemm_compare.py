@@ -4,7 +4,10 @@ A lane step multiplies a handful of rows (1-16 at one to four requests) by every
 the shared block. This times ``torch.nn.functional.linear`` (cuBLAS) and each configuration of the
 Triton kernel on the shared block's four matrices of a benchmark shape, at 1-16 rows, under CUDA
 graphs (``triton.testing.do_bench_cudagraph``: lane calls replay graphs, and eager timing would
-measure the host's launches instead), after checking each against an fp32 product. It needs only
+measure the host's launches instead), after checking each against an fp32 product. Each timed call
+multiplies by enough copies of the matrix to pass 256 MB, one after another as a lane step's layers
+do: one matrix alone would stay in the 50 MB L2 cache between repetitions, and a lane step streams
+its weights from HBM. It needs only
 PyTorch and Triton (no vLLM), so it runs on a bare GPU host in a few seconds:
 
     python benchmarks/lane_gemm_compare.py --out benchmarks/results/lane-gemm-compare-h200.txt
@@ -47,23 +50,25 @@ def main() -> None:
 
     names = ["cuBLAS"] + [f"triton{c}" for c in CONFIGS]
     lines = [f"# {torch.cuda.get_device_name()}, bf16; us per call (do_bench_cudagraph); GB/s of weights read by "
-             "the fastest", "| shape | matrix | rows | " + " | ".join(names) + " | fastest | GB/s |",
+             "the fastest (from HBM: each call streams its own copy)", "| shape | matrix | rows | " + " | ".join(names) + " | fastest | GB/s |",
              "|---|---|---|" + "---|" * (len(names) + 2)]
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes:
         for name, (n, k) in shared_block_matrices(shape).items():
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+            copies = max(2, -(-2**28 // (n * k * 2)))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+            w = ws[0]
             for m in (1, 2, 4, 8, 16):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 want = (x.float() @ w.float().T)
-                calls = [lambda: torch.nn.functional.linear(x, w)] + \
-                        [lambda c=c: skinny_gemm(x, w, c) for c in CONFIGS]
+                products = [lambda w: torch.nn.functional.linear(x, w)] + \
+                           [lambda w, c=c: skinny_gemm(x, w, c) for c in CONFIGS]
                 times = []
-                for fn in calls:
-                    err = (fn().float() - want).abs().max().item()
+                for product in products:
+                    err = (product(w).float() - want).abs().max().item()
                     if err > 0.05 * want.abs().max().item():
                         raise AssertionError(f"{shape} {name} rows {m}: max abs error {err:.3g}")
-                    times.append(do_bench_cudagraph(fn) * 1e3)
+                    times.append(do_bench_cudagraph(lambda: [product(wi) for wi in ws]) * 1e3 / copies)
                 best = min(range(len(times)), key=times.__getitem__)
                 gbs = n * k * 2 / (times[best] * 1e-6) / 1e9
                 lines.append(f"| {shape} | {name} {n}x{k} | {m} | " + " | ".join(f"{t:.1f}" for t in times)
