@@ -200,6 +200,9 @@ def _window_merge_kernel(
 
 
 BLOCK_N = 16  # prefix positions per inner step
+# warps per program of the two kernels (Triton's default; decode-shaped programs hold little work, so
+# fewer may do as well: a sweep can set these)
+PREFIX_WARPS = MERGE_WARPS = 4
 
 
 def default_split(lanes: int, kv_heads: int) -> int:
@@ -260,7 +263,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         block_rows, block_rows.stride(0), block_rows.stride(1),
         *parts, *rope_args,
         scale, rep,
-        B=B, BLOCK_N=BLOCK_N, SPLIT=split, **meta,
+        B=B, BLOCK_N=BLOCK_N, SPLIT=split, num_warps=PREFIX_WARPS, **meta,
     )
     A = ancestors.shape[1]
     _window_merge_kernel[(n, H)](
@@ -272,6 +275,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         pool, pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
         *parts, *rope_args,
         scale, A, rep,
-        BLOCK_A=triton.next_power_of_2(A + 1), SPLIT=split, BLOCK_S=min(16, triton.next_power_of_2(pieces)), **meta,
+        BLOCK_A=triton.next_power_of_2(A + 1), SPLIT=split, BLOCK_S=min(16, triton.next_power_of_2(pieces)),
+        num_warps=MERGE_WARPS, **meta,
     )
     return out
