@@ -75,6 +75,13 @@ def _bank_of(row, bank_ids_ptr, depths_ptr):
 
 
 @triton.jit
+def _chunk(prefix, SPLIT: tl.constexpr, PIECES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Prefix positions per program: ``SPLIT`` at least, more when ``PIECES`` programs would not cover
+    the prefix otherwise (a multiple of ``BLOCK_N``)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(prefix, PIECES), BLOCK_N) * BLOCK_N, SPLIT)
+
+
+@triton.jit
 def _prefix_kernel(
     q_ptr, sq0, sq1,  # q [n, Hq, D] (last stride 1)
     k_ptr, v_ptr, sk0, sk1, sk2, sk3, sk4, sv0, sv1, sv2, sv3, sv4,  # paged K / V [blocks, pages, H, B, D]
@@ -85,13 +92,14 @@ def _prefix_kernel(
     pos_ptr, cs_ptr, scs,  # RoPE: positions [n], cos_sin_cache [positions, ROT]
     scale, rep,
     B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+    SPLIT: tl.constexpr, PIECES: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)  # KV head
     piece = tl.program_id(2)
     prefix = tl.load(prefix_ptr + row)
-    start = piece * SPLIT
+    chunk = _chunk(prefix, SPLIT, PIECES, BLOCK_N)
+    start = piece * chunk
     if start < prefix:
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
@@ -106,7 +114,7 @@ def _prefix_kernel(
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        end = tl.minimum(start + SPLIT, prefix)
+        end = tl.minimum(start + chunk, prefix)
         for first in range(start, end, BLOCK_N):
             j = first + tl.arange(0, BLOCK_N)
             jmask = j < end
@@ -136,8 +144,8 @@ def _window_merge_kernel(
     acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms,  # the prefix kernel's pieces
     pos_ptr, cs_ptr, scs,  # RoPE, as in the prefix kernel
     scale, A, rep,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, PIECES: tl.constexpr, BLOCK_S: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)  # KV head
@@ -177,7 +185,8 @@ def _window_merge_kernel(
     m, l, acc = _online_softmax_step(q, k, v, ancestor | is_self, m, l, acc, scale)
 
     # the prefix pieces, BLOCK_S at a time
-    pieces = tl.cdiv(tl.load(prefix_ptr + row), SPLIT)
+    prefix = tl.load(prefix_ptr + row)
+    pieces = tl.cdiv(prefix, _chunk(prefix, SPLIT, PIECES, BLOCK_N))
     s = tl.arange(0, BLOCK_S)
     for first in range(0, pieces, BLOCK_S):
         smask = (first + s) < pieces
@@ -218,13 +227,17 @@ def default_split(lanes: int, kv_heads: int) -> int:
 def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                    v_pages: torch.Tensor, page_of: torch.Tensor, bank_ids: torch.Tensor, depths: torch.Tensor,
                    prefix: torch.Tensor, slots: torch.Tensor, block_rows: torch.Tensor, ancestors: torch.Tensor,
-                   pool: torch.Tensor, scale: float, split: int | None = None, rope=None) -> torch.Tensor:
+                   pool: torch.Tensor, scale: float, split: int | None = None, rope=None,
+                   pieces: int | None = None) -> torch.Tensor:
     """``q [n, Hq, D]`` and new ``k, v [n, H, D]`` of lanes at global banks ``bank_ids[depths]``
     (``depths [n]``); each stores its k, v in the lane pool ``pool [banks, slots, 2, H, D]`` at its
     own ``slots [n]``, and reads positions ``0..prefix-1`` of its request (``block_rows [n, W]``,
     kernel blocks of ``k_pages / v_pages [blocks, pages, H, B, D]``, bank -> page by ``page_of``),
     then the pool at its ``ancestors [n, A]`` (-1 padded), then itself. ``split``: prefix positions
-    per program (a multiple of ``BLOCK_N``; None: ``default_split``). ``rope``: ``(positions [n],
+    per program (a multiple of ``BLOCK_N``; None: ``default_split``); ``pieces``: programs per (lane,
+    KV head) (None: as many as the block table's width needs at ``split``; fewer: each program walks
+    ``max(split, ceil(prefix / pieces))`` positions, so the launch no longer grows with the model
+    length). ``rope``: ``(positions [n],
     cos_sin_cache [max positions, rotary dims], is_neox_style)``, vLLM's RoPE of q and k applied here
     (the stored k rotated), or None (q and k come rotated). Returns ``[n, Hq, D]`` in q's dtype.
 
@@ -250,7 +263,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         rot = cos_sin.shape[1]
         if cos_sin.stride(1) != 1 or rot % 2 or rot > D:
             raise ValueError(f"lane_attention: cos_sin_cache {tuple(cos_sin.shape)} for head size {D}")
-    pieces = triton.cdiv(block_rows.shape[1] * B, split)
+    pieces = min(pieces or 2**31, triton.cdiv(block_rows.shape[1] * B, split))
     acc = torch.empty(n, Hq, pieces, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(n, Hq, pieces, 2, dtype=torch.float32, device=q.device)
     parts = (acc, *acc.stride()[:3], ml, *ml.stride()[:3])
@@ -263,7 +276,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         block_rows, block_rows.stride(0), block_rows.stride(1),
         *parts, *rope_args,
         scale, rep,
-        B=B, BLOCK_N=BLOCK_N, SPLIT=split, num_warps=PREFIX_WARPS, **meta,
+        B=B, BLOCK_N=BLOCK_N, SPLIT=split, PIECES=pieces, num_warps=PREFIX_WARPS, **meta,
     )
     A = ancestors.shape[1]
     _window_merge_kernel[(n, H)](
@@ -275,7 +288,8 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         pool, pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
         *parts, *rope_args,
         scale, A, rep,
-        BLOCK_A=triton.next_power_of_2(A + 1), SPLIT=split, BLOCK_S=min(16, triton.next_power_of_2(pieces)),
+        BLOCK_A=triton.next_power_of_2(A + 1), BLOCK_N=BLOCK_N, SPLIT=split, PIECES=pieces,
+        BLOCK_S=min(16, triton.next_power_of_2(pieces)),
         num_warps=MERGE_WARPS, **meta,
     )
     return out

@@ -369,19 +369,20 @@ def test_loopspec_sampling_distribution_compiled(ckpt_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, D", [((16, 16), 128), ((8, 2), 64), ((4, 4), 96)], ids=["ouro", "gqa", "huginn-d96"])
-@pytest.mark.parametrize("prefix0, split, rope", [(37, None, None), (1000, None, None), (1000, 32, None),
-                                                  (300, None, "neox"), (300, 32, "gptj")],
-                         ids=["short", "long", "long-32", "neox", "gptj-32"])
+@pytest.mark.parametrize("prefix0, split, rope", [(37, {}, None), (1000, {}, None), (1000, {"split": 32}, None),
+                                                  (300, {}, "neox"), (300, {"split": 32}, "gptj"),
+                                                  (1000, {"split": 16, "pieces": 8}, None)],
+                         ids=["short", "long", "long-32", "neox", "gptj-32", "long-8-programs"])
 def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
     """The compiled kernel against the PyTorch lane attention (the CPU test runs it interpreted): a
-    short prefix, and a long one in the default pieces and in 32 (more than one merge step); RoPE
-    applied by the kernel against vLLM's rotary kernel."""
+    short prefix, and a long one in the default pieces, in 32 (more than one merge step) and over 8
+    programs per (lane, head); RoPE applied by the kernel against vLLM's rotary kernel."""
     from functools import partial
 
     from test_lane_kernels import compare
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    compare(partial(lane_attention, split=split), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
+    compare(partial(lane_attention, **split), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
             tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope)
 
 

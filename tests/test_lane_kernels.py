@@ -104,17 +104,23 @@ def compare(kernel, layout: str, device: str, dtype=torch.float32, heads=(4, 2),
     assert torch.isfinite(got).all()  # the padding row attends to itself only: finite, unused
 
 
-# (layout, (query heads, KV heads), head size, the long prefix, positions per program, RoPE in the kernel)
+# (layout, (query heads, KV heads), head size, the long prefix, how the prefix is split over programs,
+# RoPE in the kernel)
 CASES = [(layout, heads, D, 37, split, None) for layout in ("split-last", "cpu-kt")
-         for heads, D in (((4, 2), 32), ((3, 3), 24)) for split in (None, 32)] + \
-        [("split-last", (4, 2), 32, 600, 32, None), ("split-last", (4, 2), 32, 100, 32, "neox"),
-         ("cpu-kt", (3, 3), 24, 37, None, "gptj")]
+         for heads, D in (((4, 2), 32), ((3, 3), 24)) for split in ({}, {"split": 32})] + \
+        [("split-last", (4, 2), 32, 600, {"split": 32}, None), ("split-last", (4, 2), 32, 100, {"split": 32}, "neox"),
+         ("cpu-kt", (3, 3), 24, 37, {}, "gptj"),
+         # a fixed number of programs per (lane, head): 3 over 600 positions (longer pieces than split),
+         # 8 over 37 (pieces of split; some programs with nothing to do)
+         ("split-last", (4, 2), 32, 600, {"split": 16, "pieces": 3}, None),
+         ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8}, "neox")]
 
 
 def test_triton_lane_attention_equals_the_torch_path():
     """GQA and MHA, a head size that is not a power of two (Huginn's 96 is not either), both
     in-page layouts, a prefix spanning three non-contiguous blocks, ancestors, a padding row; the
-    prefix in one piece and split over programs (two pieces; 19, more than one merge step); RoPE
+    prefix in one piece and split over programs (two pieces; 19, more than one merge step), or over
+    a fixed number of programs (each walking more than ``split``; some with nothing to walk); RoPE
     applied by the kernel (NeoX over the whole head, GPT-J pairs over half of it).
 
     In a fresh process: Triton's interpreter must be on before anything imports Triton (vLLM does)."""
@@ -268,7 +274,7 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
     from functools import partial
 
     for layout, heads, D, prefix0, split, rope in CASES:
-        compare(partial(lane_attention, split=split), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope)
+        compare(partial(lane_attention, **split), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope)
         print(f"OK {layout} heads={heads} D={D} prefix={prefix0} split={split} rope={rope}", flush=True)
 
 
