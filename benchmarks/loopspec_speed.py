@@ -22,8 +22,6 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
   a LoopSpec engine on CUDA set "all" for the whole engine);
 * ``loopspec-triton`` / ``loopspec-fused`` / ``loopspec-triton-fused`` -- lanes on with the Triton
   lane attention named explicitly (the default on CUDA) / ``custom_ops = ["all"]`` / both;
-* ``loopspec-auto-gemm`` -- ``loopspec-auto`` with ``"lane_gemm": "triton"`` (the lanes' small matrices
-  through ``kernels/skinny_gemm.py``);
 * ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding;
   on a GPU with async scheduling: plain steps pipelined, lanes-mode steps as barriers);
 * ``loopspec-auto-sync`` -- the same with ``async_scheduling=False`` (how every LoopSpec engine
@@ -84,7 +82,7 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
 SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec", "loopspec-auto", "loopspec-auto-sync",
            "loopspec-serial", "loopspec-auto-serial", "loopspec-auto-fused", "loopspec-nographs", "loopspec-torch",
-           "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "loopspec-auto-gemm", "in-tree")
+           "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -135,8 +133,6 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):
         kw["speculative_config"]["lane_attention"] = "triton"
-    if system.endswith("-gemm"):
-        kw["speculative_config"]["lane_gemm"] = "triton"
     if system == "loopspec-torch":
         kw["speculative_config"]["lane_attention"] = "torch"
     if system.endswith("-fused"):

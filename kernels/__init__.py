@@ -6,9 +6,8 @@
   k (``vllm_loop/loopspec/lane_kv.py`` has the PyTorch path it is tested against).
 * ``norm_add_norm`` -- ``second(first(x) + residual)`` of two RMSNorms in one kernel: the seams of
   Ouro's sandwich layers in lane calls.
-* ``skinny_gemm`` -- ``x @ w.T`` for a few rows: the lanes' small linear layers under
-  ``lane_gemm: "triton"`` (opt-in until ``benchmarks/lane_gemm_compare.py`` and the speed benchmark
-  show it beating cuBLAS on the GPU).
+* ``skinny_gemm`` -- ``x @ w.T`` for a few rows: a candidate for the lanes' linear layers, not used
+  by the engine until ``benchmarks/lane_gemm_compare.py`` shows it beating cuBLAS on the GPU.
 
 Each runs on CUDA and, for CI, on the CPU under ``TRITON_INTERPRET=1`` (``tests/test_lane_kernels.py``).
 """

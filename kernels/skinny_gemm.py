@@ -1,5 +1,5 @@
-"""``x @ w.T`` for a handful of rows (Triton): the lanes' small linear layers when
-``lane_gemm`` is ``"triton"`` (``lane_linear``; the default is cuBLAS until the GPU says otherwise).
+"""``x @ w.T`` for a handful of rows (Triton): a candidate for the lanes' linear layers, not used by
+the engine yet.
 
 A lane step at one request multiplies 4-8 rows by every weight matrix of the shared block: pure
 weight streaming. cuBLAS does that near the H200's bandwidth for the wide matrices, but for the
@@ -54,18 +54,3 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config=CONFIGS[0]) -> torch.Te
                                                     BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
                                                     num_warps=warps, num_stages=stages)
     return out
-
-
-# cuBLAS streams the larger matrices at ~3.3 TB/s for a few rows (H200, twelfth run: Ouro-1.4B's QKV,
-# gate-up and down projections); its slow choice was the 8.4 MB attention output. Smaller than this,
-# and with at most MAX_ROWS rows, a lane call multiplies here.
-SMALL_WEIGHT_BYTES = 16 * 2**20
-
-
-def lane_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` of a lane call's bias-free linear layer: ``skinny_gemm`` for a few rows of 16-bit
-    values and a small matrix, cuBLAS (``torch.nn.functional.linear``) for everything else."""
-    if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
-            and w.dtype == x.dtype and w.numel() * w.element_size() <= SMALL_WEIGHT_BYTES):
-        return skinny_gemm(x, w)
-    return torch.nn.functional.linear(x, w)

@@ -49,7 +49,7 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
                                                   "lane_attention": "auto", "lane_overlap": "auto",
-                                                  "lane_gemm": "cublas", "async": "auto"}
+                                                  "async": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
@@ -61,13 +61,13 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
                                                   "lane_attention": "auto", "lane_overlap": "auto",
-                                                  "lane_gemm": "cublas", "async": "auto"}
+                                                  "async": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
 BAD = [
     ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, "
-                                         "lanes, lane_graphs, lane_attention, lane_overlap, lane_gemm"),
+                                         "lanes, lane_graphs, lane_attention, lane_overlap"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
     ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
@@ -83,7 +83,6 @@ BAD = [
     ({"method": "loopspec", "lane_attention": "flash"},
      "lane_attention='flash' is invalid; allowed values: 'auto', 'torch', 'triton'"),
     ({"method": "loopspec", "lane_overlap": "on"}, "lane_overlap='on' is invalid; allowed values: 'auto', 'off'"),
-    ({"method": "loopspec", "lane_gemm": "auto"}, "lane_gemm='auto' is invalid; allowed values: 'cublas', 'triton'"),
 ]
 
 
@@ -101,16 +100,6 @@ def test_triton_lane_attention_needs_cuda_at_start_up(ckpt_factory, monkeypatch)
     cfg = _config(ckpt_factory("ouro"), {"method": "loopspec", "lane_attention": "triton"})
     with pytest.raises(ValueError, match="lane_attention='triton' needs a CUDA device .*allowed on this device: 'torch'"):
         LoopSpecRunner(cfg)
-
-
-def test_triton_lane_gemm_needs_cuda_at_start_up(ckpt_factory, monkeypatch):
-    from vllm_loop.loopspec.runner import LoopSpecRunner
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cfg = _config(ckpt_factory("ouro"), {"method": "loopspec", "lane_gemm": "triton"})
-    with pytest.raises(ValueError, match="lane_gemm='triton' needs a CUDA device .*allowed on this device: 'cublas'"):
-        LoopSpecRunner(cfg)
-    assert LoopSpecRunner(_config(ckpt_factory("ouro"), {"method": "loopspec"})).linear is None  # default: cuBLAS
 
 
 def test_lane_attention_auto_is_the_kernel_on_cuda_only(ckpt_factory):

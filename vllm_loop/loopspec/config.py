@@ -25,10 +25,7 @@ see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton
 ``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md), ``lane_overlap``
 (``"auto"``, the default: in a lane step of greedy requests, each recurrent step is enqueued on the
 likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
-the other, see ``runner.py``), ``lane_gemm`` (``"cublas"``, the default: lane calls multiply as vLLM's
-layers do; ``"triton"``: small bias-free matrices at a few rows go through ``kernels/skinny_gemm.py``,
-CUDA only -- cuBLAS picked a split-K kernel at a quarter of the bandwidth for Ouro-1.4B's attention
-output). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
+the other, see ``runner.py``). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
 2:8 at R=32, scaled to the deployed R).
 """
 
@@ -43,12 +40,10 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 logger = get_logger(__name__)
 
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap",
-        "lane_gemm")
+KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap")
 LANE_GRAPHS = ("auto", "on", "off")
 LANE_OVERLAP = ("auto", "off")
 LANE_ATTENTION = ("auto", "torch", "triton")
-LANE_GEMM = ("cublas", "triton")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -149,13 +144,8 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if overlap not in LANE_OVERLAP:
         raise ValueError(f"speculative_config (loopspec): lane_overlap={overlap!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANE_OVERLAP))}")
-    gemm = config.get("lane_gemm", "cublas")
-    if gemm not in LANE_GEMM:
-        raise ValueError(f"speculative_config (loopspec): lane_gemm={gemm!r} is invalid; allowed values: "
-                         f"{', '.join(map(repr, LANE_GEMM))}")
     knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
-             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap,
-             "lane_gemm": gemm}
+             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap}
     spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")

@@ -146,50 +146,14 @@ def cuda_custom_ops(model, cuda: bool):
             op._forward_method = method
 
 
-class _LaneLinear:
-    """A linear layer's method for the length of a lane call: bias-free products by ``linear(x, w)``,
-    the rest by the layer's own method."""
-
-    def __init__(self, method, linear):
-        self.method, self.linear = method, linear
-
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.linear(x, layer.weight) if bias is None else self.method.apply(layer, x, bias)
-
-
-@contextmanager
-def lane_linears(model, linear):
-    """The model's unquantized vLLM linear layers multiply through ``linear`` for the length of a lane
-    call (``lane_gemm: "triton"``; None: nothing changes). vLLM's compiled forward never reads
-    ``quant_method`` again, so it keeps what it compiled."""
-    if linear is None:
-        yield
-        return
-    shims = getattr(model, "_vllm_loop_lane_linears", None)
-    if shims is None:
-        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-
-        shims = model._vllm_loop_lane_linears = [
-            (m, m.quant_method, _LaneLinear(m.quant_method, linear)) for m in model.modules()
-            if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod)]
-    for layer, _, shim in shims:
-        layer.quant_method = shim
-    try:
-        yield
-    finally:
-        for layer, method, _ in shims:
-            layer.quant_method = method
-
-
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
-              context: int, kernel=None, linear=None) -> torch.Tensor | None:
+              context: int, kernel=None) -> torch.Tensor | None:
     """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
     returns ``(logits, argmax)`` of every row (padding rows included) and keeps the argmax in
-    ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention);
-    ``linear``: the linear layers' product (None: their own, cuBLAS)."""
+    ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention)."""
     rows, positions, depths, tokens, sources = device_rows(packed, ancestors, context)
     with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms(), \
-            cuda_custom_ops(model, packed.is_cuda), lane_linears(model, linear):
+            cuda_custom_ops(model, packed.is_cuda):
         if kind == "pre":
             tokens = torch.where(sources >= 0, scratch.readout[sources.clamp_min(0)], tokens)
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
@@ -213,8 +177,8 @@ class LaneGraphs:
     #                      K/V per row, so a graph's memory grows with both (the kernel's does not)
 
     def __init__(self, model, paged: PagedBanks, scratch: LaneScratch, *, table_width: int, ancestors: int,
-                 max_rows: int, capture: bool, kernel=None, linear=None):
-        self.model, self.paged, self.scratch, self.kernel, self.linear = model, paged, scratch, kernel, linear
+                 max_rows: int, capture: bool, kernel=None):
+        self.model, self.paged, self.scratch, self.kernel = model, paged, scratch, kernel
         self.ancestors, self.table_width, self.capture = ancestors, table_width, capture
         self.max_rows = 1 << (max(1, max_rows) - 1).bit_length()
         self.max_context = table_width * paged.block_size
@@ -248,7 +212,7 @@ class LaneGraphs:
         graph, out = self._graphs[key]
         if graph is None:  # no CUDA: the same padded call, eagerly
             out = lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
-                            batch.context, self.kernel, self.linear)
+                            batch.context, self.kernel)
         else:
             graph.replay()
         return None if out is None else tuple(x[: batch.n] for x in out)
@@ -263,7 +227,7 @@ class LaneGraphs:
 
         def body():
             return lane_call(self.model, self.paged, self.scratch, kind, self.packed[:, :rows], self.ancestors,
-                             context, self.kernel, self.linear)
+                             context, self.kernel)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -74,19 +74,6 @@ def triton_lane_attention(cuda: bool):
     return lane_attention
 
 
-def triton_lane_linear(cuda: bool):
-    """The few-rows Triton GEMM for lane calls' small matrices (``lane_gemm: "triton"``): on CUDA, or
-    on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
-    import os
-
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("speculative_config (loopspec): lane_gemm='triton' needs a CUDA device "
-                         "(or TRITON_INTERPRET=1); allowed on this device: 'cublas'")
-    from vllm_loop_kernels.skinny_gemm import lane_linear
-
-    return lane_linear
-
-
 def _lanes_on(so) -> bool:
     """The lanes policy's decision for this step (set by ``LoopSpecScheduler.schedule``)."""
     return getattr(so, "loopspec_lanes", True)
@@ -225,7 +212,6 @@ class LoopSpecRunner:
             self.attention_mode = "triton" if self.cuda else "torch"
         # the Triton lane attention (lane_attention "triton"); checked here, at start-up
         self.kernel = triton_lane_attention(self.cuda) if self.attention_mode == "triton" else None
-        self.linear = triton_lane_linear(self.cuda) if k.get("lane_gemm", "cublas") == "triton" else None
         tp = vllm_config.parallel_config.tensor_parallel_size
         if graph_mode == "on" and tp > 1:
             raise ValueError("speculative_config (loopspec): lane_graphs='on' needs tensor_parallel_size 1 "
@@ -458,12 +444,11 @@ class LoopSpecRunner:
             self.graphs = LaneGraphs(self.model, self.paged, self.scratch,
                                      table_width=runner.input_batch.block_table[0].block_table.np.shape[1],
                                      ancestors=max(0, self.max_lanes - 1), max_rows=slots, capture=self.cuda,
-                                     kernel=self.kernel, linear=self.linear)
+                                     kernel=self.kernel)
         calls = "eager" if self.graphs is None else "as CUDA graphs" if self.cuda else "padded to graph shapes (no CUDA)"
         logger.info("LoopSpec lanes: %d slots (%d requests x %d lanes + 1), %.1f MiB of lane KV and states, "
-                    "KV layout %s, lane calls %s, lane attention %s, lane GEMMs %s", slots, self.max_num_seqs,
-                    self.max_lanes, mib, self.paged.layout, calls, self.attention_mode,
-                    "cublas" if self.linear is None else "triton (small matrices)")
+                    "KV layout %s, lane calls %s, lane attention %s", slots, self.max_num_seqs, self.max_lanes, mib,
+                    self.paged.layout, calls, self.attention_mode)
 
     def _assign_slots(self, lanes: list[Lane]) -> None:
         for lane in lanes:
@@ -505,8 +490,7 @@ class LoopSpecRunner:
             if shape is not None:
                 return self.graphs(kind, batch)
             packed = upload(batch.columns(), self.scratch.kv.device)
-            return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel,
-                             self.linear)
+            return lane_call(self.model, self.paged, self.scratch, kind, packed, width, ctx, self.kernel)
 
     def _run_pre(self, runner, items: list[tuple[_Row, Lane]]) -> None:
         """Depth-0 states of new lanes (children and restarts)."""
