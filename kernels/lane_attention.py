@@ -6,7 +6,8 @@ context into new tensors, casts them to fp32 and runs a masked softmax: ~20 kern
 memory traffic that grows with rows x padded context. Here (flash-decoding style, fp32 online
 softmax):
 
-1. ``_prefix_kernel``, one program per (lane, KV head, ``split`` positions of the prefix): walks its
+1. ``_prefix_kernel``, one program per (lane, KV head, piece of the prefix: ``split`` positions, more
+   past ``SPLIT_SPAN``): walks its
    piece of the lane's committed prefix through its request's block table, at the page of the
    lane's own bank, and leaves the piece's running max, sum and weighted values. Why split: a
    decode-shaped lane step has few lanes (4-8 at one request) and each lane walks its whole context,
@@ -209,9 +210,17 @@ def _window_merge_kernel(
 
 
 BLOCK_N = 16  # prefix positions per inner step
-# warps per program of the two kernels (Triton's default; decode-shaped programs hold little work, so
-# fewer may do as well: a sweep can set these)
-PREFIX_WARPS = MERGE_WARPS = 4
+# Warps per program of the two kernels. A decode-shaped program holds little work (a 16 x D block of
+# K and V per step, a handful of query heads): one warp per program let more programs run at once and
+# took the two kernels from 14.7 to 11.6 us at 4 Ouro-1.4B lanes x 352 positions, 341 to 199 us at
+# 256 lanes, 80 to 48 us at 16 Huginn lanes (H200, Triton's default of 4 before; RESULTS.md,
+# thirteenth run).
+PREFIX_WARPS = MERGE_WARPS = 1
+# The prefix is split into pieces of `split` positions up to this many positions; a longer prefix gets
+# longer pieces. So the launch (and the partial results) stay the size of a 1,024-position table
+# whatever the engine's max_model_len: split over the whole block table, an 8,192-token table made
+# 16 lanes at 352 positions take 63 us instead of 30 (H200, thirteenth run).
+SPLIT_SPAN = 1024
 
 
 def default_split(lanes: int, kv_heads: int) -> int:
@@ -235,9 +244,9 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     kernel blocks of ``k_pages / v_pages [blocks, pages, H, B, D]``, bank -> page by ``page_of``),
     then the pool at its ``ancestors [n, A]`` (-1 padded), then itself. ``split``: prefix positions
     per program (a multiple of ``BLOCK_N``; None: ``default_split``); ``pieces``: programs per (lane,
-    KV head) (None: as many as the block table's width needs at ``split``; fewer: each program walks
-    ``max(split, ceil(prefix / pieces))`` positions, so the launch no longer grows with the model
-    length). ``rope``: ``(positions [n],
+    KV head) (None: enough to cover ``SPLIT_SPAN`` positions, or the block table if narrower, at
+    ``split``); each program walks ``max(split, ceil(prefix / pieces))`` positions, so the launch
+    does not grow with the model length. ``rope``: ``(positions [n],
     cos_sin_cache [max positions, rotary dims], is_neox_style)``, vLLM's RoPE of q and k applied here
     (the stored k rotated), or None (q and k come rotated). Returns ``[n, Hq, D]`` in q's dtype.
 
@@ -263,7 +272,8 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         rot = cos_sin.shape[1]
         if cos_sin.stride(1) != 1 or rot % 2 or rot > D:
             raise ValueError(f"lane_attention: cos_sin_cache {tuple(cos_sin.shape)} for head size {D}")
-    pieces = min(pieces or 2**31, triton.cdiv(block_rows.shape[1] * B, split))
+    pieces = pieces or triton.cdiv(min(block_rows.shape[1] * B, SPLIT_SPAN), split)
+    pieces = min(pieces, triton.cdiv(block_rows.shape[1] * B, split))
     acc = torch.empty(n, Hq, pieces, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(n, Hq, pieces, 2, dtype=torch.float32, device=q.device)
     parts = (acc, *acc.stride()[:3], ml, *ml.stride()[:3])
