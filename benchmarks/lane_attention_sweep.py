@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lane_attention_compare import make_case  # noqa: E402  (one home for the inputs)
+from lane_attention_compare import BLOCK, make_case  # noqa: E402  (one home for the inputs)
 
 CASES = [("ouro-1.4b", 1, 4, p) for p in (64, 128, 352, 1024)] + [("ouro-1.4b", 1, 8, 352)] + \
         [("ouro-1.4b", r, 4, 352) for r in (4, 16, 64)] + [("ouro-1.4b", 64, 4, 1024)] + \
@@ -41,27 +41,37 @@ NEW_VS_OLD = [("ouro-1.4b", 1, 4, 64), ("ouro-1.4b", 1, 4, 352), ("ouro-1.4b", 1
               ("huginn-0125", 1, 16, 352)]
 
 
-def new_vs_old(la, LaneAttention, do_bench_cudagraph) -> list[str]:
+def sweep(cases, settings) -> list[str]:
+    """Each case at each table width: every setting of ``settings(case, width, paged)`` (name ->
+    (``lane_attention`` arguments, (prefix warps, merge warps) or None for the module's)) checked
+    against the PyTorch lane attention, then timed; one JSON line per case and width."""
+    from triton.testing import do_bench_cudagraph
+
+    import vllm_loop_kernels.lane_attention as la
+    from vllm_loop.loopspec.lane_kv import LaneAttention
+
+    warps = (la.PREFIX_WARPS, la.MERGE_WARPS)
     lines = []
-    for shape, requests, lanes, prefix in NEW_VS_OLD:
+    for case in cases:
+        shape, requests, lanes, prefix = case
         for width in (64, 512):
-            if prefix > width * 16:
+            if prefix > width * BLOCK:
                 continue
             paged, scratch, rows, banks, q, k, v = make_case(shape, requests, lanes, prefix, 3, width=width)
             scale = q.shape[-1] ** -0.5
-            ids = torch.arange(paged.num_banks, device="cuda")
+            ids = torch.arange(paged.num_banks, device=q.device)
             want = LaneAttention(paged, scratch, rows)(ids, banks, q, k, v, scale).float()
 
             def call(**kw):
                 return lambda: la.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, ids, banks, rows.prefix,
                                                  rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale, **kw)
 
-            res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * paged.block_size}
-            warps = (la.PREFIX_WARPS, la.MERGE_WARPS)
-            old = {"pieces": -(-width * paged.block_size // la.default_split(requests * lanes, paged.num_heads))}
-            for name, kw, w in (("new", {}, warps), ("old", old, (4, 4))):
-                la.PREFIX_WARPS, la.MERGE_WARPS = w
-                assert (call(**kw)().float() - want).abs().max().item() < 2e-2, (res, name)
+            res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * BLOCK}
+            for name, (kw, w) in settings(case, width, paged).items():
+                la.PREFIX_WARPS, la.MERGE_WARPS = w or warps
+                err = (call(**kw)().float() - want).abs().max().item()
+                if err > 2e-2:
+                    raise AssertionError(f"{res} {name}: max abs error {err:.3g}")
                 res[name] = round(do_bench_cudagraph(call(**kw)) * 1e3, 2)
             la.PREFIX_WARPS, la.MERGE_WARPS = warps
             lines.append(json.dumps(res))
@@ -71,6 +81,22 @@ def new_vs_old(la, LaneAttention, do_bench_cudagraph) -> list[str]:
     return lines
 
 
+def settings_swept(case, width, paged) -> dict:
+    out = {"default": ({}, None)} | {f"P{p}s{s}": ({"pieces": p, "split": s}, None) for p in (4, 8, 16, 32)
+                                     for s in (16, 32)}
+    if width == 64:
+        out |= {f"w{pw}m{mw}": ({}, (pw, mw)) for pw in (1, 2, 4) for mw in (1, 4)}
+    return out
+
+
+def settings_new_vs_old(case, width, paged) -> dict:
+    """The module's settings against the thirteenth run's: 4 warps, the prefix split over the whole table."""
+    from vllm_loop_kernels.lane_attention import default_split
+
+    split = default_split(case[1] * case[2], paged.num_heads)
+    return {"new": ({}, None), "old": ({"pieces": -(-width * BLOCK // split)}, (4, 4))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="lane-attention-sweep.jsonl")
@@ -78,44 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_attention_sweep.py needs a CUDA GPU")
-    from triton.testing import do_bench_cudagraph
-
-    import vllm_loop_kernels.lane_attention as la
-    from vllm_loop.loopspec.lane_kv import LaneAttention
-
-    if args.new_vs_old:
-        Path(args.out).write_text("\n".join(new_vs_old(la, LaneAttention, do_bench_cudagraph)) + "\n")
-        return
-    warps = (la.PREFIX_WARPS, la.MERGE_WARPS)
-    lines = []
-    for shape, requests, lanes, prefix in CASES:
-        for width in (64, 512):
-            paged, scratch, rows, banks, q, k, v = make_case(shape, requests, lanes, prefix, 3, width=width)
-            scale = q.shape[-1] ** -0.5
-            ids = torch.arange(paged.num_banks, device="cuda")
-            want = LaneAttention(paged, scratch, rows)(ids, banks, q, k, v, scale).float()
-
-            def call(**kw):
-                return lambda: la.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, ids, banks, rows.prefix,
-                                                 rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale, **kw)
-
-            res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * paged.block_size}
-            variants = {"default": {}} | {f"P{p}s{s}": {"pieces": p, "split": s} for p in (4, 8, 16, 32) for s in (16, 32)}
-            for name, kw in variants.items():
-                err = (call(**kw)().float() - want).abs().max().item()
-                if err > 2e-2:
-                    raise AssertionError(f"{shape} {res} {name}: max abs error {err:.3g}")
-                res[name] = round(do_bench_cudagraph(call(**kw)) * 1e3, 2)
-            if width == 64:
-                for pw in (1, 2, 4):
-                    for mw in (1, 4):
-                        la.PREFIX_WARPS, la.MERGE_WARPS = pw, mw
-                        res[f"w{pw}m{mw}"] = round(do_bench_cudagraph(call()) * 1e3, 2)
-                la.PREFIX_WARPS, la.MERGE_WARPS = warps
-            lines.append(json.dumps(res))
-            print(lines[-1], flush=True)
-            del paged, scratch
-            torch.cuda.empty_cache()
+    lines = sweep(NEW_VS_OLD, settings_new_vs_old) if args.new_vs_old else sweep(CASES, settings_swept)
     Path(args.out).write_text("\n".join(lines) + "\n")
 
 
