@@ -50,7 +50,8 @@ def main() -> None:
 
     names = ["cuBLAS"] + [f"triton{c}" for c in CONFIGS]
     lines = [f"# {torch.cuda.get_device_name()}, bf16; us per call (do_bench_cudagraph); GB/s of weights read by "
-             "the fastest (from HBM: each call streams its own copy)", "| shape | matrix | rows | " + " | ".join(names) + " | fastest | GB/s |",
+             "the fastest (from HBM: each call streams its own copy)",
+             "| shape | matrix | rows | " + " | ".join(names) + " | fastest | GB/s |",
              "|---|---|---|" + "---|" * (len(names) + 2)]
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes:

@@ -272,8 +272,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         rot = cos_sin.shape[1]
         if cos_sin.stride(1) != 1 or rot % 2 or rot > D:
             raise ValueError(f"lane_attention: cos_sin_cache {tuple(cos_sin.shape)} for head size {D}")
-    pieces = pieces or triton.cdiv(min(block_rows.shape[1] * B, SPLIT_SPAN), split)
-    pieces = min(pieces, triton.cdiv(block_rows.shape[1] * B, split))
+    pieces = min(pieces or triton.cdiv(SPLIT_SPAN, split), triton.cdiv(block_rows.shape[1] * B, split))
     acc = torch.empty(n, Hq, pieces, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(n, Hq, pieces, 2, dtype=torch.float32, device=q.device)
     parts = (acc, *acc.stride()[:3], ml, *ml.stride()[:3])
