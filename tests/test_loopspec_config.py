@@ -45,10 +45,10 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     cfg = _config(ckpt_factory("ouro"), {"method": "loopspec"})
     spec = cfg.speculative_config
     assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
-    assert spec.num_speculative_tokens == 4  # ceil(R / d1)
+    assert spec.num_speculative_tokens == 16  # max(ceil(R / d1) = 4, STEP_TOKENS): chains padded to 16
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto", "lane_overlap": "auto",
+                                                  "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
                                                   "async": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -60,14 +60,21 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto", "lane_overlap": "auto",
+                                                  "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
                                                   "async": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
+def test_step_tokens_sets_the_drafts_a_step_schedules(ckpt_factory):
+    ouro = ckpt_factory("ouro")
+    assert _config(ouro, {"method": "loopspec", "step_tokens": 0}).speculative_config.num_speculative_tokens == 4
+    assert _config(ouro, {"method": "loopspec", "step_tokens": 32}).speculative_config.num_speculative_tokens == 32
+    assert _config(ouro, {"method": "loopspec", "step_tokens": 2}).speculative_config.num_speculative_tokens == 4
+
+
 BAD = [
     ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, "
-                                         "lanes, lane_graphs, lane_attention, lane_overlap"),
+                                         "lanes, lane_graphs, lane_attention, lane_overlap, step_tokens"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
     ({"method": "loopspec", "d1": 1, "d2": 4}, "d2=4 is invalid: d2 must be < R (R=4)"),
@@ -83,6 +90,9 @@ BAD = [
     ({"method": "loopspec", "lane_attention": "flash"},
      "lane_attention='flash' is invalid; allowed values: 'auto', 'torch', 'triton'"),
     ({"method": "loopspec", "lane_overlap": "on"}, "lane_overlap='on' is invalid; allowed values: 'auto', 'off'"),
+    ({"method": "loopspec", "step_tokens": -1}, "step_tokens=-1 is invalid: allowed 0 (the lane chain alone) to 256"),
+    ({"method": "loopspec", "step_tokens": 1000}, "step_tokens=1000 is invalid: allowed 0 (the lane chain alone) to 256"),
+    ({"method": "loopspec", "step_tokens": "16"}, "step_tokens='16' is invalid: step_tokens must be an integer"),
 ]
 
 

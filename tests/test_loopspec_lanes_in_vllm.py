@@ -343,6 +343,16 @@ def test_tree_reroot_keeps_the_committed_path():
     assert tree.ancestors(a2) == [a1]
 
 
+def test_step_drafts_pad_a_short_chain_to_the_step_budget():
+    from vllm_loop.loopspec.runner import step_drafts
+
+    # Ouro's chain is at most ceil(R / d1) = 4 long; padded, a lane step may commit up to 1 + 16 tokens
+    assert step_drafts([5, 6, 7], 4, 16, pad=True) == [5, 6, 7] + [7] * 13
+    assert step_drafts([], 4, 16, pad=True) == [4] * 16  # no proposal yet: the root's token
+    assert step_drafts([5, 6, 7], 4, 16, pad=False) == [5, 6, 7]  # a large batch: the chain alone
+    assert step_drafts(list(range(20)), 4, 16, pad=True) == list(range(16))  # never past k
+
+
 def test_engine_counters_and_vllm_spec_stats():
     from vllm_loop.loopspec.scheduler import loopspec_spec_stats
 

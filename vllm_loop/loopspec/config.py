@@ -4,8 +4,10 @@ vLLM validates ``SpeculativeConfig.method`` against a fixed list and forbids unk
 plugin translates a loopspec config before vLLM sees it (``vllm_patches.install_loopspec``):
 
 * ``speculative_config`` becomes vLLM's own ``custom_class`` method with our runner component as
-  the "proposer" and ``num_speculative_tokens = ceil(R / d1)`` (the longest lane chain a request
-  can hand back as drafts, so the scheduler gives its positions KV slots);
+  the "proposer" and ``num_speculative_tokens = max(ceil(R / d1), step_tokens)``: the longest lane
+  chain a request can hand back as drafts (so the scheduler gives its positions KV slots), and at
+  least ``step_tokens``, so that a lane step may commit that many tokens a request before vLLM's
+  scheduler runs again (``runner.step_drafts`` pads a short chain);
 * the LoopSpec knobs travel in ``additional_config["loopspec"]``, which reaches every process;
 * the scheduler is ``LoopSpecScheduler`` (vLLM's scheduler with LoopSpec's acceptance counters in
   the spec-decode metrics); where async scheduling is possible, ``LoopSpecAsyncScheduler`` (plain
@@ -25,8 +27,10 @@ see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton
 ``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md), ``lane_overlap``
 (``"auto"``, the default: in a lane step of greedy requests, each recurrent step is enqueued on the
 likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
-the other, see ``runner.py``). Both depths omitted: the family default (Ouro 1:2 at R=4; Raven the paper's
-2:8 at R=32, scaled to the deployed R).
+the other, see ``runner.py``), ``step_tokens`` (default 16: each request is scheduled at least this
+many drafts a step, its lane chain padded to it, so a lane step may commit up to 1 + that many tokens
+a request before vLLM's scheduler runs again; 0: the chain alone; at most 256). Both depths omitted:
+the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 """
 
 from __future__ import annotations
@@ -39,8 +43,16 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 
 logger = get_logger(__name__)
 
+# ``step_tokens``' default: drafts a request is scheduled per engine step, at least. A lane step commits
+# at most 1 + its drafts a request (vLLM's contract), and each engine step around it costs ~1-2 ms on
+# the H200 (the scheduler, the step's output, the lane pipeline's drain): with Ouro's 4-lane chains
+# alone a lane step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md, fourteenth run).
+STEP_TOKENS = 16
+MAX_STEP_TOKENS = 256
+
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap")
+KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap",
+        "step_tokens")
 LANE_GRAPHS = ("auto", "on", "off")
 LANE_OVERLAP = ("auto", "off")
 LANE_ATTENTION = ("auto", "torch", "triton")
@@ -144,9 +156,16 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if overlap not in LANE_OVERLAP:
         raise ValueError(f"speculative_config (loopspec): lane_overlap={overlap!r} is invalid; allowed values: "
                          f"{', '.join(map(repr, LANE_OVERLAP))}")
+    step_tokens = _field(config, "step_tokens")
+    step_tokens = STEP_TOKENS if step_tokens is None else step_tokens
+    if not 0 <= step_tokens <= MAX_STEP_TOKENS:
+        raise ValueError(f"speculative_config (loopspec): step_tokens={step_tokens} is invalid: allowed 0 (the lane "
+                         f"chain alone) to {MAX_STEP_TOKENS}")
     knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
-             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap}
-    spec = {"method": "custom_class", "model": RUNNER, "num_speculative_tokens": math.ceil(R / schedule.d1)}
+             "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap,
+             "step_tokens": step_tokens}
+    spec = {"method": "custom_class", "model": RUNNER,
+            "num_speculative_tokens": max(math.ceil(R / schedule.d1), step_tokens)}
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")
     return spec, knobs

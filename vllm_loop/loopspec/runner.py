@@ -9,9 +9,9 @@ plugin hooks ``GPUModelRunner.execute_model`` and ``sample_tokens`` (``vllm_patc
   ``RequestPipeline``, until every request has committed at least one token (in a step of greedy
   requests each recurrent step is enqueued before the host has decided the one before, on its likely
   outcome, ``RequestPipeline.expect``: the GPU computes while the host decides). The tokens go back as
-  the step's sampled tokens and each request's first-proposal chain as its drafts, so the
-  scheduler allocates KV slots for the next step (vLLM's contract: a decode row receives between 1
-  and 1 + its scheduled drafts tokens per step, which the commit cap enforces);
+  the step's sampled tokens and each request's first-proposal chain as its drafts (padded,
+  ``step_drafts``), so the scheduler allocates KV slots for the next step (vLLM's contract: a decode
+  row receives between 1 and 1 + its scheduled drafts tokens per step, which the commit cap enforces);
 * any other step (a prefill joins, a request the lanes cannot serve, a resumed request) is vLLM's
   own: its forward verifies the lane chains as ordinary drafts with vLLM's rejection sampler
   (lossless), and afterwards each request keeps the lanes on the committed path
@@ -197,6 +197,7 @@ class LoopSpecRunner:
         self.schedule = LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"])
         self.max_lanes = int(k["max_lanes"])
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
+        self.pad_drafts = k.get("step_tokens", 0) > 0  # step_drafts
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
@@ -316,11 +317,13 @@ class LoopSpecRunner:
                     self.schedule, params, self._generator(req_id, state.sampling_params), self.max_lanes))
             else:
                 counted = True  # a lane request decoded in vLLM's step
-                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+                # the chain's drafts, not their padding (step_drafts)
+                drafts = min(len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())),
+                             len(live.pipe.chain()))
                 if drafts:
                     self._step.chain_rows += 1
-                    self._step.chain_drafts += len(drafts)
-                    self._step.chain_accepted += len(tokens) - 1
+                    self._step.chain_drafts += drafts
+                    self._step.chain_accepted += min(len(tokens) - 1, drafts)
                 if self._follow(live, tokens, position):
                     continue
             self._free(live.pipe.clear())
@@ -689,19 +692,37 @@ class LoopSpecRunner:
         return out
 
     def hand_over_drafts(self, runner, out) -> None:
-        """Each request's first-proposal chain (at most num_speculative_tokens) becomes its drafts:
-        where vLLM's ``take_draft_token_ids`` reads them, or, under async scheduling (whose engine core
-        never asks), on the step's output for ``LoopSpecAsyncScheduler``."""
+        """Each request's first-proposal chain becomes its drafts (``step_drafts``): where vLLM's
+        ``take_draft_token_ids`` reads them, or, under async scheduling (whose engine core never
+        asks), on the step's output for ``LoopSpecAsyncScheduler``."""
         req_ids = list(runner.input_batch.req_ids)
+        # pad while the batch's padded steps fit in half the token budget: a prefill joining the
+        # batch must still get its share (its step verifies the padding too, losslessly)
+        budget = runner.vllm_config.scheduler_config.max_num_batched_tokens
+        pad = self.pad_drafts and len(req_ids) * (1 + self.num_spec_tokens) <= budget // 2
         drafts = []
         for req_id in req_ids:
             live = self.live.get(req_id)
-            drafts.append([] if live is None else [lane.token for lane in live.pipe.chain()][: self.num_spec_tokens])
+            drafts.append([] if live is None or live.pipe.root is None else step_drafts(
+                [lane.token for lane in live.pipe.chain()], live.pipe.root.token, self.num_spec_tokens, pad))
         if runner.vllm_config.scheduler_config.async_scheduling:
             out.loopspec_drafts = (req_ids, drafts)
             runner._draft_token_ids = runner._draft_token_req_ids = None
         else:
             runner._draft_token_ids, runner._draft_token_req_ids = drafts, req_ids
+
+
+def step_drafts(chain: list[int], root_token: int, k: int, pad: bool) -> list[int]:
+    """A request's drafts for its next engine step: its first-proposal chain (at most ``k``), padded
+    to ``k`` with its last token when ``pad``. The scheduler gives every draft a KV slot, and a lane
+    step commits up to 1 + drafts tokens a request, so the padding lets a lane step run past the
+    chain's end (Ouro's chain is at most 4 long) instead of returning to vLLM every ~4 tokens. A step
+    of vLLM's own forward verifies padding like any draft: rejected, or accepted because it is the
+    model's own token, lossless either way."""
+    drafts = chain[:k]
+    if pad:
+        drafts += [drafts[-1] if drafts else root_token] * (k - len(drafts))
+    return drafts
 
 
 def reset_async_carry(runner) -> None:
