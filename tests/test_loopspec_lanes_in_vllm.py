@@ -353,6 +353,21 @@ def test_step_drafts_pad_a_short_chain_to_the_step_budget():
     assert step_drafts(list(range(20)), 4, 16, pad=True) == list(range(16))  # never past k
 
 
+def test_cpu_rejection_expand_fills_int_and_float_outputs():
+    """vllm_patches.install_cpu_rejection_expand: vLLM 0.26's CPU kernel left these uninitialised."""
+    import vllm.v1.sample.rejection_sampler as rejection
+
+    from vllm_loop.vllm_patches import install_cpu_rejection_expand
+
+    install_cpu_rejection_expand()
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    top_k = rejection.expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32), cu, 6)
+    assert top_k.tolist() == [5, 5, 0, 0, 0, 7] and top_k.dtype == torch.int32
+    temperature = rejection.expand_batch_to_tokens(torch.tensor([0.5, -1.0, 0.9]), cu, 6, replace_from=-1.0,
+                                                   replace_to=1)
+    assert temperature.tolist() == pytest.approx([0.5, 0.5, 1.0, 1.0, 1.0, 0.9])
+
+
 def test_engine_counters_and_vllm_spec_stats():
     from vllm_loop.loopspec.scheduler import loopspec_spec_stats
 

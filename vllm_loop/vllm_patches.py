@@ -299,6 +299,34 @@ def install_loopspec() -> None:
     install_loopspec_packed_kv()
     install_loopspec_runner()
     install_loopspec_decode_graphs()
+    install_cpu_rejection_expand()
+
+
+def install_cpu_rejection_expand() -> None:
+    """vLLM 0.26 on CPU: the rejection sampler spreads each request's temperature, top-k and top-p over
+    its draft tokens with ``expand_batch_to_tokens``, whose CPU kernel
+    (``cpu_triton_utils._expand_kernel_impl``) converts its output to int64 and fills the copy, so
+    an int32 (top-k) or float (temperature, top-p) output is left uninitialised. A step that verifies
+    drafts of a sampling request then sampled with garbage constraints (a crash in ``topk``, or a
+    wrong distribution). LoopSpec's lane chains are such drafts. Same result as the GPU kernel, in
+    PyTorch; CPU only (the Triton kernel is right)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.rejection_sampler as rejection
+
+    if getattr(rejection.expand_batch_to_tokens, "_vllm_loop", False):
+        return
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+    expand_batch_to_tokens._vllm_loop = True
+    rejection.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def install_loopspec_front_door() -> None:

@@ -27,9 +27,9 @@ see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton
 ``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md), ``lane_overlap``
 (``"auto"``, the default: in a lane step of greedy requests, each recurrent step is enqueued on the
 likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
-the other, see ``runner.py``), ``step_tokens`` (default 16: each request is scheduled at least this
-many drafts a step, its lane chain padded to it, so a lane step may commit up to 1 + that many tokens
-a request before vLLM's scheduler runs again; 0: the chain alone; at most 256). Both depths omitted:
+the other, see ``runner.py``), ``step_tokens`` (default 0: a request's drafts are its lane chain; n:
+each request is scheduled at least n drafts a step, its lane chain padded to n, so a lane step may
+commit up to 1 + n tokens a request before vLLM's scheduler runs again; at most 256). Both depths omitted:
 the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 """
 
@@ -43,11 +43,13 @@ from vllm_loop.loopspec.schedule import LoopSpecSchedule
 
 logger = get_logger(__name__)
 
-# ``step_tokens``' default: drafts a request is scheduled per engine step, at least. A lane step commits
-# at most 1 + its drafts a request (vLLM's contract), and each engine step around it costs ~1-2 ms on
-# the H200 (the scheduler, the step's output, the lane pipeline's drain): with Ouro's 4-lane chains
-# alone a lane step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md, fourteenth run).
-STEP_TOKENS = 16
+# ``step_tokens``: drafts a request is scheduled per engine step, at least. A lane step commits at most
+# 1 + its drafts a request (vLLM's contract), and each engine step around it costs ~1-2 ms on the H200
+# (the scheduler, the step's output, the lane pipeline's drain): with Ouro's 4-lane chains alone a lane
+# step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md, fourteenth run). Off by
+# default until measured on the GPU, and until a seeded request on vLLM's path next to padded lane
+# requests matches vanilla again (it did not in tests/test_loopspec_engine.py, one token in 12).
+STEP_TOKENS = 0
 MAX_STEP_TOKENS = 256
 
 METHOD = "loopspec"
