@@ -91,7 +91,8 @@ BAD = [
      "lane_attention='flash' is invalid; allowed values: 'auto', 'torch', 'triton'"),
     ({"method": "loopspec", "lane_overlap": "on"}, "lane_overlap='on' is invalid; allowed values: 'auto', 'off'"),
     ({"method": "loopspec", "step_tokens": -1}, "step_tokens=-1 is invalid: allowed 0 (the lane chain alone) to 256"),
-    ({"method": "loopspec", "step_tokens": 1000}, "step_tokens=1000 is invalid: allowed 0 (the lane chain alone) to 256"),
+    ({"method": "loopspec", "step_tokens": 1000},
+     "step_tokens=1000 is invalid: allowed 0 (the lane chain alone) to 256"),
     ({"method": "loopspec", "step_tokens": "16"}, "step_tokens='16' is invalid: step_tokens must be an integer"),
 ]
 

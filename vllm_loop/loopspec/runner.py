@@ -10,8 +10,9 @@ plugin hooks ``GPUModelRunner.execute_model`` and ``sample_tokens`` (``vllm_patc
   requests each recurrent step is enqueued before the host has decided the one before, on its likely
   outcome, ``RequestPipeline.expect``: the GPU computes while the host decides). The tokens go back as
   the step's sampled tokens and each request's first-proposal chain as its drafts (padded when the
-  ``step_tokens`` knob asks, ``step_drafts``), so the scheduler allocates KV slots for the next step (vLLM's contract: a decode
-  row receives between 1 and 1 + its scheduled drafts tokens per step, which the commit cap enforces);
+  ``step_tokens`` knob asks, ``step_drafts``), so the scheduler allocates KV slots for the next step
+  (vLLM's contract: a decode row receives between 1 and 1 + its scheduled drafts tokens per step,
+  which the commit cap enforces);
 * any other step (a prefill joins, a request the lanes cannot serve, a resumed request) is vLLM's
   own: its forward verifies the lane chains as ordinary drafts with vLLM's rejection sampler
   (lossless), and afterwards each request keeps the lanes on the committed path
@@ -318,8 +319,8 @@ class LoopSpecRunner:
             else:
                 counted = True  # a lane request decoded in vLLM's step
                 # the chain's drafts, not their padding (step_drafts)
-                drafts = min(len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())),
-                             len(live.pipe.chain()))
+                scheduled = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+                drafts = min(scheduled, len(live.pipe.chain())) if scheduled else 0
                 if drafts:
                     self._step.chain_rows += 1
                     self._step.chain_drafts += drafts
