@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_evidence.sh OUTDIR [STEP ...]
 # Steps (default: all, in this order; each one writes OUTDIR/STEP.txt, and OUTDIR/phases.txt says
 # when each ended and with what exit status, so a run cut short still shows how far it got):
-#   speed     Ouro-1.4B shape, agreement 0.001: vanilla vs LoopSpec (lanes auto; and with lane chains
-#             padded to 16 drafts, "step_tokens": 16, side by side), concurrency 1-128;
+#   speed     Ouro-1.4B shape, agreement 0.001: vanilla vs LoopSpec (lanes auto; and with drafts = the
+#             lane chain alone, "step_tokens": 0, side by side), concurrency 1-128;
 #             a profile of lane steps at concurrency 1 (the overlap's serial order side by side:
 #             add loopspec-auto-serial to --systems)
 #   random    the same shape with random weights (low acceptance): concurrency 1, 64, 128
@@ -28,7 +28,7 @@ speed() {  # shape agreement name systems concurrency...: loopspec_speed.py make
 phase "start: $steps"
 for step in $steps; do
     case $step in
-        speed) speed ouro-1.4b 0.001 ouro-1.4b vanilla,loopspec-auto,loopspec-auto-pad 1 4 16 64 128 --profile ;;
+        speed) speed ouro-1.4b 0.001 ouro-1.4b vanilla,loopspec-auto,loopspec-auto-chain 1 4 16 64 128 --profile ;;
         random) speed ouro-1.4b 0 ouro-1.4b-random vanilla,loopspec-auto 1 64 128 ;;
         huginn) speed huginn-0125 0.001 huginn-0125 vanilla,loopspec 1 4 --profile ;;
         identity) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "greedy_identity_compiled and not async" ;;

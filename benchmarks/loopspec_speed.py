@@ -29,9 +29,11 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``loopspec-serial`` / ``loopspec-auto-serial`` -- ``loopspec`` / ``loopspec-auto`` with
   ``"lane_overlap": "off"``: each recurrent step of a lane step enqueued only after the host has
   decided the one before (how every lane step ran before 2026-12-02);
-* ``loopspec-pad`` / ``loopspec-auto-pad`` -- ``loopspec`` / ``loopspec-auto`` with
-  ``"step_tokens": 16``: each request's lane chain padded to 16 drafts, so a lane step may commit up
-  to 17 tokens a request instead of 1 + ceil(R / d1);
+* ``loopspec-chain`` / ``loopspec-auto-chain`` -- ``loopspec`` / ``loopspec-auto`` with
+  ``"step_tokens": 0``: a request's drafts are its lane chain alone, so a lane step commits at most
+  1 + ceil(R / d1) tokens a request (the default before 2026-12-02 pads the chain to 16 drafts);
+* ``loopspec-pad`` / ``loopspec-auto-pad`` / ``loopspec-auto-pad32`` -- ``"step_tokens"`` 16 (the
+  default since 2026-12-02; named for the runs before) / 32;
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
@@ -84,7 +86,8 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 # (benchmarks/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
 SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec", "loopspec-auto", "loopspec-auto-sync",
-           "loopspec-serial", "loopspec-auto-serial", "loopspec-pad", "loopspec-auto-pad", "loopspec-auto-fused",
+           "loopspec-serial", "loopspec-auto-serial", "loopspec-pad", "loopspec-auto-pad", "loopspec-auto-pad32",
+           "loopspec-chain", "loopspec-auto-chain", "loopspec-auto-fused",
            "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
@@ -132,8 +135,10 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"] = spec
     if system.endswith("-serial"):
         kw["speculative_config"]["lane_overlap"] = "off"
-    if system.endswith("-pad"):
-        kw["speculative_config"]["step_tokens"] = 16
+    if system.endswith("-chain"):
+        kw["speculative_config"]["step_tokens"] = 0
+    elif "-pad" in system:  # -pad: 16, -pad32: 32
+        kw["speculative_config"]["step_tokens"] = int(system.split("-pad")[1] or 16)
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):

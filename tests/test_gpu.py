@@ -164,6 +164,9 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
 LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
     "ouro-1:2": ("ouro", {}, {}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}),
     "ouro-agree-1:2": ("ouro", {"agreement": "0.005"}, {}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}),
+    # drafts = the lane chain alone, not padded to step_tokens' default 16
+    "ouro-agree-1:2-chain": ("ouro", {"agreement": "0.005"}, {},
+                             {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2, "step_tokens": 0}),
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
 }
@@ -171,7 +174,8 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
 LANE_GRAPHS = [("ouro-1:2", "auto", "torch", "auto"), ("ouro-agree-1:2", "auto", "torch", "auto"),
                ("ouro-agree-1:2", "off", "torch", "auto"), ("raven-olmo2-R32-2:8", "auto", "torch", "auto"),
                ("raven-olmo2-R32-2:8", "off", "torch", "auto"), ("ouro-agree-1:2", "auto", "triton", "auto"),
-               ("raven-olmo2-R32-2:8", "auto", "triton", "auto"), ("ouro-agree-1:2", "auto", "triton", "off")]
+               ("raven-olmo2-R32-2:8", "auto", "triton", "auto"), ("ouro-agree-1:2", "auto", "triton", "off"),
+               ("ouro-agree-1:2-chain", "auto", "triton", "auto")]
 
 
 def _captured_lane_graphs(worker) -> int:

@@ -45,10 +45,10 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     cfg = _config(ckpt_factory("ouro"), {"method": "loopspec"})
     spec = cfg.speculative_config
     assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
-    assert spec.num_speculative_tokens == 4  # ceil(R / d1)
+    assert spec.num_speculative_tokens == 16  # max(ceil(R / d1), step_tokens 16)
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 0,
+                                                  "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
                                                   "async": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -60,13 +60,13 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
                   hf_overrides={"mean_recurrence": 32})
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
-                                                  "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 0,
+                                                  "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
                                                   "async": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
 
 def test_step_tokens_sets_the_drafts_a_step_schedules(ckpt_factory):
-    ouro = ckpt_factory("ouro")
+    ouro = ckpt_factory("ouro")  # ceil(R / d1) = 4
     assert _config(ouro, {"method": "loopspec", "step_tokens": 0}).speculative_config.num_speculative_tokens == 4
     assert _config(ouro, {"method": "loopspec", "step_tokens": 32}).speculative_config.num_speculative_tokens == 32
     assert _config(ouro, {"method": "loopspec", "step_tokens": 2}).speculative_config.num_speculative_tokens == 4

@@ -84,6 +84,9 @@ GREEDY_CASES = {
     # each recurrent step decided before the next is enqueued (the overlap's way round, and sampling's)
     "ouro-agree-1:2-no-overlap": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
                                                  "lane_overlap": "off"}, {}),
+    # drafts = the lane chain alone (step_tokens 0; by default padded to 16)
+    "ouro-agree-1:2-chain": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
+                                            "step_tokens": 0}, {}),
     "ouro-1:2-chunked": ("ouro", {"method": "loopspec", "lanes": "on"}, {"max_num_batched_tokens": 16}),
     "raven-R8-2:4": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4}, {}),
     "raven-R8-2:4-no-prefix-cache": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4},

@@ -368,6 +368,30 @@ def test_cpu_rejection_expand_fills_int_and_float_outputs():
     assert temperature.tolist() == pytest.approx([0.5, 0.5, 1.0, 1.0, 1.0, 0.9])
 
 
+def test_cpu_sampler_honours_a_seed_next_to_unseeded_rows():
+    """vllm_patches.install_cpu_seeded_sampling: vLLM 0.26's CPU sampler drew every row from the global
+    RNG unless all rows were seeded, so a seeded request's token depended on its neighbours."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from vllm_loop.vllm_patches import install_cpu_seeded_sampling
+
+    install_cpu_seeded_sampling()
+    sampler = TopKTopPSampler("raw_logprobs")
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    k = torch.tensor([5, 300, 5, 300], dtype=torch.int32)
+
+    def seeded_row(batch: slice, row: int, global_seed: int) -> int:
+        torch.manual_seed(global_seed)  # the global RNG: other draws in the step
+        rows = logits[batch].clone()
+        sampled, _ = sampler.forward(rows, {row: torch.Generator().manual_seed(1)}, k[batch], None)
+        return int(sampled[row])
+
+    alone = [seeded_row(slice(2, 3), 0, 0) for _ in range(2)]
+    assert alone[0] == alone[1]
+    for global_seed in range(8):  # row 2 of four, three of them unseeded
+        assert seeded_row(slice(0, 4), 2, global_seed) == alone[0]
+
+
 def test_engine_counters_and_vllm_spec_stats():
     from vllm_loop.loopspec.scheduler import loopspec_spec_stats
 

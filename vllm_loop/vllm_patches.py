@@ -300,6 +300,33 @@ def install_loopspec() -> None:
     install_loopspec_runner()
     install_loopspec_decode_graphs()
     install_cpu_rejection_expand()
+    install_cpu_seeded_sampling()
+
+
+def install_cpu_seeded_sampling() -> None:
+    """vLLM 0.26 on CPU: ``TopKTopPSampler.forward_cpu`` ignores the per-request generators (a
+    request's ``seed``) unless every row of the batch has one, and samples all rows from the global
+    RNG. A seeded request's tokens then depend on what else shares its steps and on every other draw
+    from the global RNG, e.g. the rejection sampler's, whose size follows the drafts of other
+    requests (LoopSpec's lane chains). Batches with some seeded rows go to vLLM's own
+    ``forward_native``, which honours them (as on the GPU); others are unchanged. CPU only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    original = TopKTopPSampler.forward_cpu
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def forward_cpu(self, logits, generators, k, p):
+        if generators and len(generators) != logits.shape[0]:
+            return self.forward_native(logits, generators, k, p)
+        return original(self, logits, generators, k, p)
+
+    forward_cpu._vllm_loop = True
+    TopKTopPSampler.forward_cpu = forward_cpu
 
 
 def install_cpu_rejection_expand() -> None:

@@ -46,10 +46,9 @@ logger = get_logger(__name__)
 # ``step_tokens``: drafts a request is scheduled per engine step, at least. A lane step commits at most
 # 1 + its drafts a request (vLLM's contract), and each engine step around it costs ~1-2 ms on the H200
 # (the scheduler, the step's output, the lane pipeline's drain): with Ouro's 4-lane chains alone a lane
-# step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md, fourteenth run). Off by
-# default until measured on the GPU, and until a seeded request on vLLM's path next to padded lane
-# requests matches vanilla again (it did not in tests/test_loopspec_engine.py, one token in 12).
-STEP_TOKENS = 0
+# step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md, fourteenth run). 16: 1.05-1.18x
+# the chain alone at every concurrency 1-128 on the H200 (fifteenth run); 0: the chain alone.
+STEP_TOKENS = 16
 MAX_STEP_TOKENS = 256
 
 METHOD = "loopspec"
