@@ -27,10 +27,10 @@ see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton
 ``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md), ``lane_overlap``
 (``"auto"``, the default: in a lane step of greedy requests, each recurrent step is enqueued on the
 likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
-the other, see ``runner.py``), ``step_tokens`` (default 0: a request's drafts are its lane chain; n:
-each request is scheduled at least n drafts a step, its lane chain padded to n, so a lane step may
-commit up to 1 + n tokens a request before vLLM's scheduler runs again; at most 256). Both depths
-omitted: the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
+the other, see ``runner.py``), ``step_tokens`` (default 16: each request is scheduled at least this
+many drafts a step, its lane chain padded to it, so a lane step may commit up to 1 + that many tokens
+a request before vLLM's scheduler runs again; 0: the chain alone; at most 256). Both depths omitted:
+the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ plugin hooks ``GPUModelRunner.execute_model`` and ``sample_tokens`` (``vllm_patc
   ``RequestPipeline``, until every request has committed at least one token (in a step of greedy
   requests each recurrent step is enqueued before the host has decided the one before, on its likely
   outcome, ``RequestPipeline.expect``: the GPU computes while the host decides). The tokens go back as
-  the step's sampled tokens and each request's first-proposal chain as its drafts (padded when the
-  ``step_tokens`` knob asks, ``step_drafts``), so the scheduler allocates KV slots for the next step
+  the step's sampled tokens and each request's first-proposal chain as its drafts (padded to
+  ``step_tokens``, ``step_drafts``), so the scheduler allocates KV slots for the next step
   (vLLM's contract: a decode row receives between 1 and 1 + its scheduled drafts tokens per step,
   which the commit cap enforces);
 * any other step (a prefill joins, a request the lanes cannot serve, a resumed request) is vLLM's
