@@ -7,7 +7,8 @@ tokens) wide, after checking each setting against the PyTorch lane attention:
 
 * ``default``: the module's settings as they are;
 * ``P{pieces}s{split}``: a fixed number of programs per (lane, KV head) and a minimum piece;
-* ``w{prefix warps}m{merge warps}`` (64-block tables): warps per program of the two kernels.
+* ``w{lane warps}m{merge warps}`` (64-block tables): warps per program of the lane kernel and of
+  the two-pass merge kernel (which the one-pass default does not launch).
 
 One JSON line per case; benchmarks/RESULTS.md (thirteenth run) has the H200's:
 
@@ -15,7 +16,11 @@ One JSON line per case; benchmarks/RESULTS.md (thirteenth run) has the H200's:
 
 ``--new-vs-old``: the module's settings (``new``) against those before that run (``old``: 4 warps per
 program, the prefix split over the whole block table), on a few cases including prefixes past
-``SPLIT_SPAN`` in wide tables.
+``SPLIT_SPAN`` in wide tables. ``--merge``: the one-pass merge (the last program of a (lane, head)
+merges; the default since 2026-12-03) against the two-pass one (a second kernel merges), on every
+case of the sweep:
+
+    python benchmarks/lane_attention_sweep.py --merge --out benchmarks/results/lane-attention-merge-h200.jsonl
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def sweep(cases, settings) -> list[str]:
     import vllm_loop_kernels.lane_attention as la
     from vllm_loop.loopspec.lane_kv import LaneAttention
 
-    warps = (la.PREFIX_WARPS, la.MERGE_WARPS)
+    warps = (la.LANE_WARPS, la.MERGE_WARPS)
     lines = []
     for case in cases:
         shape, requests, lanes, prefix = case
@@ -68,12 +73,12 @@ def sweep(cases, settings) -> list[str]:
 
             res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * BLOCK}
             for name, (kw, w) in settings(case, width, paged).items():
-                la.PREFIX_WARPS, la.MERGE_WARPS = w or warps
+                la.LANE_WARPS, la.MERGE_WARPS = w or warps
                 err = (call(**kw)().float() - want).abs().max().item()
                 if err > 2e-2:
                     raise AssertionError(f"{res} {name}: max abs error {err:.3g}")
                 res[name] = round(do_bench_cudagraph(call(**kw)) * 1e3, 2)
-            la.PREFIX_WARPS, la.MERGE_WARPS = warps
+            la.LANE_WARPS, la.MERGE_WARPS = warps
             lines.append(json.dumps(res))
             print(lines[-1], flush=True)
             del paged, scratch
@@ -94,17 +99,25 @@ def settings_new_vs_old(case, width, paged) -> dict:
     from vllm_loop_kernels.lane_attention import default_split
 
     split = default_split(case[1] * case[2], paged.num_heads)
-    return {"new": ({}, None), "old": ({"pieces": -(-width * BLOCK // split)}, (4, 4))}
+    return {"new": ({}, None), "old": ({"pieces": -(-width * BLOCK // split), "merge": "two-pass"}, (4, 4))}
+
+
+def settings_merge(case, width, paged) -> dict:
+    return {"one-pass": ({"merge": "one-pass"}, None), "two-pass": ({"merge": "two-pass"}, None)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="lane-attention-sweep.jsonl")
     ap.add_argument("--new-vs-old", action="store_true", help="the module's settings against the thirteenth run's")
+    ap.add_argument("--merge", action="store_true", help="one-pass merge against two-pass, on the sweep's cases")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_attention_sweep.py needs a CUDA GPU")
-    lines = sweep(NEW_VS_OLD, settings_new_vs_old) if args.new_vs_old else sweep(CASES, settings_swept)
+    if args.new_vs_old:
+        lines = sweep(NEW_VS_OLD, settings_new_vs_old)
+    else:
+        lines = sweep(CASES, settings_merge if args.merge else settings_swept)
     Path(args.out).write_text("\n".join(lines) + "\n")
 
 

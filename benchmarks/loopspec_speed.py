@@ -34,6 +34,9 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
   1 + ceil(R / d1) tokens a request (the default before 2026-12-02 pads the chain to 16 drafts);
 * ``loopspec-pad`` / ``loopspec-auto-pad`` / ``loopspec-auto-pad32`` -- ``"step_tokens"`` 16 (the
   default since 2026-12-02; named for the runs before) / 32;
+* ``loopspec-tuned`` -- ``loopspec`` with the schedule the tuner recommends for this checkpoint:
+  ``--tuned FILE`` is the JSON of ``python -m vllm_loop.tune CHECKPOINT ... --json FILE`` (its
+  ``best`` d1 / d2 replace the spec's);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
@@ -88,7 +91,8 @@ AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0
 SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec", "loopspec-auto", "loopspec-auto-sync",
            "loopspec-serial", "loopspec-auto-serial", "loopspec-pad", "loopspec-auto-pad", "loopspec-auto-pad32",
            "loopspec-chain", "loopspec-auto-chain", "loopspec-auto-fused",
-           "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused", "loopspec-triton-fused", "in-tree")
+           "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused", "loopspec-triton-fused",
+           "loopspec-tuned", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -115,6 +119,14 @@ def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None
     return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(length)]} for i in range(n)]
 
 
+def tuned_depths(path: str | None) -> dict:
+    """``{"d1": .., "d2": ..}`` (no d2: single proposal) the tuner's JSON recommends (its ``best``)."""
+    if not path:
+        raise SystemExit("loopspec-tuned needs --tuned FILE (python -m vllm_loop.tune CHECKPOINT ... --json FILE)")
+    best = json.loads(Path(path).read_text())["best"]
+    return {"d1": best["d1"]} | ({"d2": best["d2"]} if best["d2"] is not None else {})
+
+
 def _start(args, system: str, max_num_seqs: int):
     """The engine of one system on the benchmark's settings: ``(llm, engine kwargs, config.json, R,
     start-up seconds)``."""
@@ -139,6 +151,8 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["step_tokens"] = 0
     elif "-pad" in system:  # -pad: 16, -pad32: 32
         kw["speculative_config"]["step_tokens"] = int(system.split("-pad")[1] or 16)
+    if system == "loopspec-tuned":
+        kw["speculative_config"] |= tuned_depths(args.tuned)
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):
@@ -326,6 +340,7 @@ def main() -> int:
     ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (vLLM's "
                     "forward and the lane calls eager: saves compile time at start-up)")
     ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
+    ap.add_argument("--tuned", default=None, help="the tuner's JSON for loopspec-tuned (python -m vllm_loop.tune --json)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -353,7 +368,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
                "--eager", args.eager, "--prompts", args.prompts, "--temperature", str(args.temperature),
-               "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)]
+               "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)] + \
+              (["--tuned", args.tuned] if args.tuned else [])
         # the engine's log goes to a file beside --out as it runs: a run cut short still shows how far it got
         log = Path(args.out).with_suffix(f".{system}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -404,6 +420,7 @@ def main() -> int:
             r.pop("tokens")
     out = {"shape": args.shape, "checkpoint": args.checkpoint, "prompts": args.prompts,
            "agreement": float(args.agreement), "spec": json.loads(args.spec),
+           "tuned": tuned_depths(args.tuned) if args.tuned else None,
            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
            "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
            "systems": results, "failed": failed}
@@ -413,7 +430,7 @@ def main() -> int:
     if args.profile:
         cmd = [sys.executable, __file__, "--worker", "profile", "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager,
-               "--profile-system", args.profile_system]
+               "--profile-system", args.profile_system] + (["--tuned", args.tuned] if args.tuned else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         Path(args.out).with_suffix(".profile.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:

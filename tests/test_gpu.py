@@ -169,13 +169,16 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
                              {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2, "step_tokens": 0}),
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
+    # the tuner's schedule for the Huginn-0125 shape at agreement 0.001 (a lane every recurrent step)
+    "huginn-R32-1:5": ("huginn_raven", {"layout": "huginn", "state_init": "seeded", "agreement": "0.5"},
+                       {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5}),
 }
 # (checkpoint, lane_graphs, lane_attention, lane_overlap)
 LANE_GRAPHS = [("ouro-1:2", "auto", "torch", "auto"), ("ouro-agree-1:2", "auto", "torch", "auto"),
                ("ouro-agree-1:2", "off", "torch", "auto"), ("raven-olmo2-R32-2:8", "auto", "torch", "auto"),
                ("raven-olmo2-R32-2:8", "off", "torch", "auto"), ("ouro-agree-1:2", "auto", "triton", "auto"),
                ("raven-olmo2-R32-2:8", "auto", "triton", "auto"), ("ouro-agree-1:2", "auto", "triton", "off"),
-               ("ouro-agree-1:2-chain", "auto", "triton", "auto")]
+               ("ouro-agree-1:2-chain", "auto", "triton", "auto"), ("huginn-R32-1:5", "auto", "triton", "auto")]
 
 
 def _captured_lane_graphs(worker) -> int:

@@ -113,7 +113,10 @@ CASES = [(layout, heads, D, 37, split, None) for layout in ("split-last", "cpu-k
          # a fixed number of programs per (lane, head): 3 over 600 positions (longer pieces than split),
          # 8 over 37 (pieces of split; some programs with nothing to do)
          ("split-last", (4, 2), 32, 600, {"split": 16, "pieces": 3}, None),
-         ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8}, "neox")]
+         ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8}, "neox"),
+         # the two-pass merge (a second kernel) beside the default one-pass merge (the last program)
+         ("split-last", (4, 2), 32, 600, {"split": 32, "merge": "two-pass"}, None),
+         ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8, "merge": "two-pass"}, "neox")]
 
 
 def test_triton_lane_attention_equals_the_torch_path():
@@ -121,7 +124,8 @@ def test_triton_lane_attention_equals_the_torch_path():
     in-page layouts, a prefix spanning three non-contiguous blocks, ancestors, a padding row; the
     prefix in one piece and split over programs (two pieces; 19, more than one merge step), or over
     a fixed number of programs (each walking more than ``split``; some with nothing to walk); RoPE
-    applied by the kernel (NeoX over the whole head, GPT-J pairs over half of it).
+    applied by the kernel (NeoX over the whole head, GPT-J pairs over half of it); merged by the last
+    program of each (lane, head) and, two-pass, by a second kernel.
 
     In a fresh process: Triton's interpreter must be on before anything imports Triton (vLLM does)."""
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -95,6 +95,9 @@ GREEDY_CASES = {
     "raven-R32-4:8-chunked": ("raven-olmo2-R32", {"method": "loopspec", "lanes": "on", "d1": 4, "d2": 8},
                               {"max_num_batched_tokens": 16}),
     "huginn-R32-2:8": ("huginn-R32", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}, {}),
+    # a lane every recurrent step: prelude, core and coda rows in every lane call (the tuner's pick for
+    # the Huginn-0125 shape at agreement 0.001, benchmarks/results/huginn-0125-tune.txt)
+    "huginn-R32-1:5": ("huginn-R32", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5}, {}),
     # lane calls padded to the CUDA-graph shapes (on the CPU run eagerly; captured on the GPU: test_gpu.py)
     "ouro-agree-1:2-padded": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
                                              "lane_graphs": "on"}, {}),

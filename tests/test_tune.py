@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +155,11 @@ def test_cli_on_tiny_ouro(ckpt_factory, prompt_file, tmp_path, capsys):
     assert data["R"] == 4 and data["profile"]["positions"] == 4 * 8
     assert data["beta"] > 0 and data["alpha"] > 0 and data["envelope_max_ratio"] >= 1
     assert (data["best"]["d1"], data["best"]["d2"]) in valid_schedules(4)
+    # benchmarks/loopspec_speed.py --tuned reads this JSON for its loopspec-tuned system
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from loopspec_speed import tuned_depths
+
+    assert {"method": "loopspec"} | tuned_depths(str(js)) == json.loads(flag_json)
 
 
 def test_cli_module_on_tiny_raven(ckpt_factory, tmp_path):

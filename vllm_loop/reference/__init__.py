@@ -46,7 +46,9 @@ def load_reference(path, *, depth: int | None = None, dtype=torch.float32, **con
     check_required_keys(raw, required, model_type)
     raw[depth_key] = check_depth(depth_key, raw[depth_key] if depth is None else depth)
 
-    tensors = {name: t.to(dtype) for name, t in read_tensors(path).items()}
+    tensors = read_tensors(path)
+    for name in list(tensors):  # one at a time, so a large checkpoint is held once, not twice (bf16 + fp32)
+        tensors[name] = tensors.pop(name).to(dtype)
     if model_type == "ouro":
         config = ouro_config.OuroConfig(**raw)
         _check_names(tensors, ouro_tensor_names(config), ignored=())
