@@ -340,7 +340,8 @@ def main() -> int:
     ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (vLLM's "
                     "forward and the lane calls eager: saves compile time at start-up)")
     ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
-    ap.add_argument("--tuned", default=None, help="the tuner's JSON for loopspec-tuned (python -m vllm_loop.tune --json)")
+    ap.add_argument("--tuned", default=None,
+                    help="the tuner's JSON for loopspec-tuned (python -m vllm_loop.tune CHECKPOINT ... --json FILE)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

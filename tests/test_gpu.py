@@ -378,12 +378,16 @@ def test_loopspec_sampling_distribution_compiled(ckpt_factory):
 @pytest.mark.parametrize("heads, D", [((16, 16), 128), ((8, 2), 64), ((4, 4), 96)], ids=["ouro", "gqa", "huginn-d96"])
 @pytest.mark.parametrize("prefix0, split, rope", [(37, {}, None), (1000, {}, None), (1000, {"split": 32}, None),
                                                   (300, {}, "neox"), (300, {"split": 32}, "gptj"),
-                                                  (1000, {"split": 16, "pieces": 8}, None)],
-                         ids=["short", "long", "long-32", "neox", "gptj-32", "long-8-programs"])
+                                                  (1000, {"split": 16, "pieces": 8}, None),
+                                                  (1000, {"merge": "two-pass"}, None),
+                                                  (300, {"merge": "two-pass"}, "neox")],
+                         ids=["short", "long", "long-32", "neox", "gptj-32", "long-8-programs", "long-two-pass",
+                              "neox-two-pass"])
 def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
     """The compiled kernel against the PyTorch lane attention (the CPU test runs it interpreted): a
     short prefix, and a long one in the default pieces, in 32 (more than one merge step) and over 8
-    programs per (lane, head); RoPE applied by the kernel against vLLM's rotary kernel."""
+    programs per (lane, head); RoPE applied by the kernel against vLLM's rotary kernel; merged by the
+    last program (these few rows' default) and by a second kernel (two-pass, many rows' default)."""
     from functools import partial
 
     from test_lane_kernels import compare
