@@ -151,8 +151,9 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["step_tokens"] = 0
     elif "-pad" in system:  # -pad: 16, -pad32: 32
         kw["speculative_config"]["step_tokens"] = int(system.split("-pad")[1] or 16)
-    if system == "loopspec-tuned":
-        kw["speculative_config"] |= tuned_depths(args.tuned)
+    if system == "loopspec-tuned":  # the tuner's depths replace the spec's (no d2: single proposal)
+        kw["speculative_config"] = {k: v for k, v in kw["speculative_config"].items() if k not in ("d1", "d2")} | \
+            tuned_depths(args.tuned)
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):

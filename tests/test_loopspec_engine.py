@@ -303,6 +303,47 @@ def test_broken_verifier_fails_the_same_test(sampling_setup, monkeypatch):
     assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA
 
 
+def _cpu_attention_isas(worker) -> list[str]:
+    """The ISA of every attention layer's implementation and metadata builder (vLLM's CPU backend)."""
+    runner = worker.model_runner
+    layers = runner.vllm_config.compilation_config.static_forward_context.values()
+    builders = [b for groups in runner.attn_groups for g in groups for b in g.metadata_builders]
+    return sorted({layer.impl.isa for layer in layers if hasattr(getattr(layer, "impl", None), "isa")} |
+                  {b.isa for b in builders if hasattr(b, "isa")})
+
+
+@pytest.mark.engine
+def test_loopspec_reads_the_cpu_kv_layout_of_bf16_engines(ckpt_factory):
+    """bf16 with a block size that is a multiple of 32: on a CPU with AMX tiles vLLM's CPU attention
+    stores K in AMX tiles, which the lanes cannot read in place (the first decode step failed); a
+    LoopSpec engine gets vLLM's "vec" layout instead (``vllm_patches.install_cpu_loopspec_kv_layout``)
+    and decodes with its lanes, every request to its length, nothing left behind. (Its bf16 tokens
+    are not compared: vanilla's AMX kernels round differently.)"""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded", "agreement": "0.5"},
+                        mean_recurrence=8)
+    llm = _engine(path, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4}, dtype="bfloat16", block_size=32,
+                  max_model_len=128)
+    jobs = greedy_jobs(n=8)
+    try:
+        free_before = free_kv_blocks(llm)
+        got = run_jobs(llm, jobs)
+        isas = llm.collective_rpc(_cpu_attention_isas)[0]
+        totals = _totals(llm)
+        census = llm.collective_rpc(lane_census)[0]
+        assert free_kv_blocks(llm) == free_before
+    finally:
+        stop_llm(llm)
+    vllms = _get_attn_isa(torch.bfloat16, 32, 32)  # what vLLM picks on this CPU ("amx" where it has AMX)
+    print(f"vLLM's CPU attention ISA here: {vllms}; the LoopSpec engine's: {isas}")
+    assert isas == (["vec"] if vllms == "amx" else [vllms])
+    assert all(len(got[j.request_id]) == j.params.max_tokens for j in jobs)
+    assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["full"] > 50, totals
+    assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
+
+
 # -- aborts, preemption, leaks ----------------------------------------------------------------------------------
 @pytest.mark.engine
 def test_aborts_and_preemption_leave_nothing_behind(ckpt_factory):

@@ -301,6 +301,46 @@ def install_loopspec() -> None:
     install_loopspec_decode_graphs()
     install_cpu_rejection_expand()
     install_cpu_seeded_sampling()
+    install_cpu_loopspec_kv_layout()
+
+
+def install_cpu_loopspec_kv_layout() -> None:
+    """vLLM 0.26 on CPU picks an attention ISA per layer and per metadata builder
+    (``cpu_attn._get_attn_isa``), and the ISA fixes how the KV cache is laid out inside a block: "amx"
+    (bf16, a block size that is a multiple of 32, a CPU with AMX tiles) stores K in tiles that are no
+    strided view, while LoopSpec's lanes read the cache in place through views
+    (``lane_kv.PagedBanks``: its first decode step failed with "cannot read the KV layout").
+    LoopSpec engines get "vec" instead, what the same CPU without AMX runs (K transposed per head, a
+    layout the lanes read); other engines keep vLLM's choice. Both objects that carry the ISA are
+    set, since the kernels that write and read the cache and the scheduling metadata must agree. CPU only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_loop.loopspec.config import knobs
+
+    impl, builder = cpu_attn.CPUAttentionBackendImpl, cpu_attn.CPUAttentionMetadataBuilder
+    if getattr(impl.__init__, "_vllm_loop", False):
+        return
+    impl_init, builder_init = impl.__init__, builder.__init__
+
+    def readable(obj, vllm_config) -> None:
+        if obj.isa == "amx" and knobs(vllm_config) is not None:
+            obj.isa = "vec"
+
+    def init_impl(self, *args, **kwargs):
+        impl_init(self, *args, **kwargs)
+        readable(self, get_current_vllm_config_or_none())  # the one vLLM's __init__ just read
+
+    def init_builder(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
+        builder_init(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        readable(self, vllm_config)
+
+    init_impl._vllm_loop = init_builder._vllm_loop = True
+    impl.__init__, builder.__init__ = init_impl, init_builder
 
 
 def install_cpu_seeded_sampling() -> None:
