@@ -169,7 +169,8 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
                              {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2, "step_tokens": 0}),
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
-    # the tuner's schedule for the Huginn-0125 shape at agreement 0.001 (a lane every recurrent step)
+    # the tuner's schedule for the Huginn-0125 shape at agreement 0.001 (a lane every recurrent step), on a
+    # tiny checkpoint whose depths disagree often enough that every kind of commit happens
     "huginn-R32-1:5": ("huginn_raven", {"layout": "huginn", "state_init": "seeded", "agreement": "0.5"},
                        {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5}),
 }
