@@ -8,7 +8,7 @@ tokens) wide, after checking each setting against the PyTorch lane attention:
 * ``default``: the module's settings as they are;
 * ``P{pieces}s{split}``: a fixed number of programs per (lane, KV head) and a minimum piece;
 * ``w{lane warps}m{merge warps}`` (64-block tables): warps per program of the lane kernel and of
-  the two-pass merge kernel (which the one-pass default does not launch).
+  the two-pass merge kernel (not launched where a call merges one-pass).
 
 One JSON line per case; benchmarks/RESULTS.md (thirteenth run) has the H200's:
 
@@ -17,8 +17,8 @@ One JSON line per case; benchmarks/RESULTS.md (thirteenth run) has the H200's:
 ``--new-vs-old``: the module's settings (``new``) against those before that run (``old``: 4 warps per
 program, the prefix split over the whole block table), on a few cases including prefixes past
 ``SPLIT_SPAN`` in wide tables. ``--merge``: the one-pass merge (the last program of a (lane, head)
-merges; the default since 2026-12-03) against the two-pass one (a second kernel merges), on every
-case of the sweep:
+merges) against the two-pass one (a second kernel merges), on every case of the sweep (the module's
+``MERGE = "auto"`` picks by the number of (lane, KV head) pairs):
 
     python benchmarks/lane_attention_sweep.py --merge --out benchmarks/results/lane-attention-merge-h200.jsonl
 """

@@ -84,6 +84,12 @@ def _chunk(prefix, SPLIT: tl.constexpr, PIECES: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _valid_pieces(prefix, SPLIT: tl.constexpr, PIECES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Prefix pieces with positions to walk (the rest of the ``PIECES`` programs idle)."""
+    return tl.cdiv(prefix, _chunk(prefix, SPLIT, PIECES, BLOCK_N))
+
+
+@triton.jit
 def _store_partial(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, row, qh, piece, d, rmask, dmask, m, l, acc):
     tl.store(acc_ptr + row * san + qh[:, None] * sah + piece * sas + d[None, :], acc,
              mask=rmask[:, None] & dmask[None, :])
@@ -119,7 +125,7 @@ def _lane_kernel(
     piece = tl.program_id(2)
     prefix = tl.load(prefix_ptr + row)
     chunk = _chunk(prefix, SPLIT, PIECES, BLOCK_N)
-    valid = tl.cdiv(prefix, chunk)  # prefix pieces with positions to walk
+    valid = _valid_pieces(prefix, SPLIT, PIECES, BLOCK_N)
     if (piece < valid) | (piece == PIECES):
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
@@ -221,8 +227,7 @@ def _merge_kernel(
     head = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
-    prefix = tl.load(prefix_ptr + row)
-    valid = tl.cdiv(prefix, _chunk(prefix, SPLIT, PIECES, BLOCK_N))
+    valid = _valid_pieces(tl.load(prefix_ptr + row), SPLIT, PIECES, BLOCK_N)
     _merge(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, out_ptr, so0, so1, row, head * rep + r, d, r < rep,
            d < D, valid, BLOCK_R, BLOCK_D, BLOCK_S, PIECES)
 
@@ -289,8 +294,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     does not grow with the model length. ``rope``: ``(positions [n],
     cos_sin_cache [max positions, rotary dims], is_neox_style)``, vLLM's RoPE of q and k applied here
     (the stored k rotated), or None (q and k come rotated). ``merge``: "one-pass", "two-pass" or
-    "auto" (``MERGE`` when None). Returns
-    ``[n, Hq, D]`` in q's dtype.
+    "auto" (``MERGE`` when None). Returns ``[n, Hq, D]`` in q's dtype.
 
     The launch shapes depend only on the tensors' shapes (the prefix can reach ``W`` blocks), so a
     CUDA graph of a call serves every prefix length."""
