@@ -6,8 +6,11 @@
   k (``vllm_loop/loopspec/lane_kv.py`` has the PyTorch path it is tested against).
 * ``norm_add_norm`` -- ``second(first(x) + residual)`` of two RMSNorms in one kernel: the seams of
   Ouro's sandwich layers in lane calls.
-* ``skinny_gemm`` -- ``x @ w.T`` for a few rows: a candidate for the lanes' linear layers, not used
-  by the engine until ``benchmarks/lane_gemm_compare.py`` shows it beating cuBLAS on the GPU.
+* ``skinny_gemm`` -- ``x @ w.T`` for a few rows, optionally split over K: a candidate for the lanes'
+  linear layers that the engine does not use (cuBLAS measured as fast or faster on the H200,
+  ``benchmarks/lane_gemm_compare.py``).
+* ``arrivals`` -- the atomic counters by which the last program of a split computation merges the
+  partials in the same launch (the lane attention's one-pass merge, the split-K GEMM).
 
 Each runs on CUDA and, for CI, on the CPU under ``TRITON_INTERPRET=1`` (``tests/test_lane_kernels.py``).
 """

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counters
+
 
 @triton.jit
 def _online_softmax_step(q, k, v, valid, m, l, acc, scale):
@@ -251,23 +253,6 @@ SPLIT_SPAN = 1024
 # 2.91-2.95 ms at ~59 lanes; 7.8 against 6.4 ms at ~230; 15.3 against 11.5 ms at ~470).
 MERGE = "auto"
 ONE_PASS_PAIRS = 256
-# Arrival counters of the one-pass merge, per device: zero between launches (the last arrival re-arms
-# its own), so a CUDA graph replays them as they are. Allocated once, outside graph capture.
-COUNTERS = 1 << 20
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # a buffer made here would live in the graph's private pool and be zeroed by every replay
-            raise RuntimeError(f"lane_attention: {needed} arrival counters needed under CUDA graph capture; "
-                               "run the call once eagerly first (as graph warm-ups do)")
-        counters = _counters[device] = torch.zeros(max(needed, COUNTERS), dtype=torch.int32, device=device)
-    return counters
-
-
 def default_split(lanes: int, kv_heads: int) -> int:
     """Prefix positions per program. Few (lane, head) pairs: short pieces, so that many programs share
     the walk; many: longer ones, since the GPU is full anyway and each piece costs a partial result.
@@ -329,7 +314,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     ml = torch.empty(n, Hq, pieces + 1, 2, dtype=torch.float32, device=q.device)
     parts = (acc, *acc.stride()[:3], ml, *ml.stride()[:3])
     one_pass = merge == "one-pass"
-    counters = arrival_counters(q.device, n * H) if one_pass else slots
+    counters = arrival_counters(q.device, n * H, "lane_attention") if one_pass else slots
     A = ancestors.shape[1]
     meta = dict(D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rep), BLOCK_N=BLOCK_N,
                 SPLIT=split, PIECES=pieces, BLOCK_S=min(16, triton.next_power_of_2(pieces)))

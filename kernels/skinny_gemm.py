@@ -1,56 +1,124 @@
-"""``x @ w.T`` for a handful of rows (Triton): a candidate for the lanes' linear layers, not used by
-the engine yet.
+"""``x @ w.T`` for a few rows (Triton), optionally split over K: a candidate for the lanes' linear
+layers that the engine does not use (cuBLAS is as fast or faster; benchmarks/RESULTS.md).
 
-A lane step at one request multiplies 4-8 rows by every weight matrix of the shared block: pure
-weight streaming. cuBLAS does that near the H200's bandwidth for the wide matrices, but for the
-square attention output (Ouro-1.4B's 2,048 x 2,048) it picked a split-K kernel plus a reduction:
-10.7 us for 8.4 MB, a quarter of the bandwidth (benchmarks/RESULTS.md, eleventh run). Here each
-program streams ``BLOCK_N`` whole rows of ``w`` and multiplies them with all rows of ``x`` at once.
-Whether that beats cuBLAS, and in which configuration, is for ``benchmarks/lane_gemm_compare.py`` to
-measure on the GPU (under CUDA graphs, as lane calls run): timed eagerly, each call's launch costs
-the host more than the product costs the GPU, and that hides the difference. 16-bit inputs only
-(``tl.dot`` would round fp32 to TF32).
+A lane step at one request multiplies 4-16 rows by every weight matrix of the shared block: pure
+weight streaming. cuBLAS does that near the H200's bandwidth for the wide matrices, but not for
+Ouro-1.4B's square attention output (2,048 x 2,048: 6.0 us, 1.4 TB/s) or its down projection
+(2,048 x 5,632: ~11.9 us, ~2 TB/s). The idea tried here: with so few output columns too few blocks
+keep loads in flight, so split K as well. The grid is (output tiles of ``BLOCK_N`` columns) x
+(``splits`` slices of K); each program streams ``BLOCK_N`` rows of ``w`` over its slice and
+multiplies them with all rows of ``x``. With ``splits > 1`` each program stores its fp32 partial and
+the last program of a tile to finish (``arrivals.py``) sums the tile's partials in slice order --
+the same sum whichever came last -- and writes the output, in one launch. On the H200
+(``benchmarks/lane_gemm_compare.py``, 2026-12-03) no configuration beat cuBLAS on the attention
+output (6.0 us at best, as cuBLAS), and the best on the down projection (32 columns, 8 slices) took
+10.9-11.1 us against 11.9: ~1 % of an Ouro-1.4B recurrent step, not worth a second GEMM path.
 
-Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how CI checks it against ``torch``).
+fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Runs on CUDA, and on the
+CPU under ``TRITON_INTERPRET=1`` (how CI checks it against ``torch``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # tl.dot's smallest row tile: fewer rows are masked, more go to cuBLAS
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): the configurations benchmarks/lane_gemm_compare.py times
-CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 512, 8, 3))
+from .arrivals import arrival_counters
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROWS = 64  # more rows than this go to cuBLAS (its larger tiles fill the GPU there)
+
+
+class GemmConfig(NamedTuple):
+    block_n: int  # output columns per program
+    block_k: int  # K per loop iteration
+    warps: int
+    stages: int
+    splits: int  # slices of K (1: no split, each program writes its output directly)
+
+
+# the configurations benchmarks/lane_gemm_compare.py times (the first four: no split)
+CONFIGS = (GemmConfig(16, 256, 4, 4, 1), GemmConfig(32, 128, 4, 4, 1), GemmConfig(64, 128, 4, 3, 1),
+           GemmConfig(16, 512, 8, 3, 1),
+           GemmConfig(16, 256, 4, 2, 2), GemmConfig(16, 256, 4, 2, 4), GemmConfig(16, 128, 4, 2, 8),
+           GemmConfig(32, 256, 4, 2, 4), GemmConfig(32, 128, 4, 2, 8), GemmConfig(16, 256, 4, 1, 8))
+# programs the default configuration aims at: enough for every SM of an H200 (132) to hold a few, so
+# that nearly all of a matrix's loads are in flight at once (the H200 sweep ranked it below cuBLAS)
+TARGET_PROGRAMS = 512
+
+
+def default_config(rows: int, n: int, k: int) -> GemmConfig:
+    """16 output columns a program, 256 of K an iteration, and as many K slices (1-8) as it takes to
+    reach ``TARGET_PROGRAMS`` programs without slicing K below one iteration."""
+    tiles = triton.cdiv(n, 16)
+    splits = 1
+    while splits < 8 and tiles * splits < TARGET_PROGRAMS and k >= 2 * splits * 256:
+        splits *= 2
+    return GemmConfig(16, 256, 4, 2, splits)
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, sx, w_ptr, sw, out_ptr, so, M, N, K,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _skinny_gemm_kernel(x_ptr, sx, w_ptr, sw, out_ptr, so, part_ptr, count_ptr, M, N, K, K_SLICE,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for first in range(0, K, BLOCK_K):
-        k = first + tl.arange(0, BLOCK_K)
+    first = tl.program_id(1) * K_SLICE
+    for start in range(first, tl.minimum(first + K_SLICE, K), BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * sw + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(out_ptr + m[:, None] * so + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(m < M)[:, None] & (n < N)[None, :])
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out_mask = (m < M)[:, None] & (n < N)[None, :]
+    out = out_ptr + m[:, None] * so + n[None, :]
+    if SPLITS == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials [SPLITS, BLOCK_M, N]; the barrier orders every thread's stores before the atomic,
+        # whose release half publishes them and whose acquire half shows the others' to the last arrival
+        part = part_ptr + m[:, None] * N + n[None, :]
+        tl.store(part + tl.program_id(1) * BLOCK_M * N, acc, mask=out_mask)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLITS):
+                total += tl.load(part + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config=CONFIGS[0]) -> torch.Tensor:
-    """``x [M, K] @ w [N, K].T`` for ``M <= MAX_ROWS``, 16-bit, fp32 accumulation."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K].T`` for ``M <= MAX_ROWS``; fp16, bf16 or fp32, accumulated in fp32.
+    ``config``: None for ``default_config``."""
     M, K = x.shape
     N = w.shape[0]
     if M > MAX_ROWS or w.shape[1] != K:
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)}, w {tuple(w.shape)} (at most {MAX_ROWS} rows)")
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"skinny_gemm: x {x.dtype}, w {w.dtype}; allowed: both of one of {DTYPES}")
+    config = GemmConfig(*(config or default_config(M, N, K)))
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config
-    _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K,
-                                                    BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                    num_warps=warps, num_stages=stages)
+    block_m = max(16, triton.next_power_of_2(M))  # tl.dot's smallest tile
+    tiles, splits = triton.cdiv(N, config.block_n), config.splits
+    k_slice = triton.cdiv(triton.cdiv(K, splits), config.block_k) * config.block_k
+    if splits > 1:
+        part = torch.empty(splits, block_m, N, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, tiles, "skinny_gemm")
+    else:
+        part = counters = out  # never read
+    _skinny_gemm_kernel[(tiles, splits)](x, x.stride(0), w, w.stride(0), out, out.stride(0), part, counters,
+                                         M, N, K, k_slice, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                                         BLOCK_K=config.block_k, SPLITS=splits, IEEE=x.dtype == torch.float32,
+                                         num_warps=config.warps,
+                                         num_stages=config.stages)
     return out

@@ -442,10 +442,10 @@ def test_triton_norm_add_norm_on_gpu(dtype):
     compare_norm_add_norm("cuda", dtype, H=2048, tol=1e-5 if dtype == torch.float32 else BF16_NORM_TOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 def test_triton_skinny_gemm_on_gpu(dtype):
-    """Every configuration of the few-rows GEMM against an fp32 product, at small shapes and at
-    Ouro-1.4B's four (the CPU test runs it interpreted)."""
+    """Every configuration of the few-rows GEMM and its default against an fp64 product, at small
+    shapes and at Ouro-1.4B's four (the CPU test runs it interpreted); fp32 without TF32."""
     from test_lane_kernels import compare_skinny_gemm
 
     compare_skinny_gemm("cuda", dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (8, 6144, 2048),

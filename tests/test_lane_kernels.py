@@ -175,23 +175,28 @@ def test_triton_norm_add_norm_equals_vllms_norms():
     assert proc.stdout.count("NORMS OK") == 2, proc.stdout
 
 
-def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64))):
-    """``skinny_gemm`` in every configuration of ``CONFIGS``, against an fp32 product:
-    rows 1-16, output and input widths that fill no tile exactly, a strided ``x``."""
+def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (40, 20, 1100))):
+    """``skinny_gemm`` in every configuration of ``CONFIGS`` and its default, against an fp32 product:
+    rows 1-64, output and input widths that fill no tile exactly (K slices that end inside an
+    iteration, slices left empty), a strided ``x``; each twice, so a split-K launch finds its arrival
+    counters re-armed by the one before. fp32 to 1e-5 of the product's scale: TF32 would miss that."""
     from vllm_loop_kernels.skinny_gemm import CONFIGS, skinny_gemm
 
     g = torch.Generator().manual_seed(0)
     for m, n, k in shapes:
         x = torch.randn(m, 2 * k, generator=g).to(dtype).to(device)[:, ::2]  # a strided view
         w = torch.randn(n, k, generator=g).to(dtype).to(device)
-        want = (x.float() @ w.float().T).to(dtype)
-        for config in CONFIGS:
-            got = skinny_gemm(x, w, config)
-            torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1e-2)
+        want = (x.double() @ w.double().T).to(dtype)
+        atol, rtol = (1e-5 * k ** 0.5, 1e-5) if dtype == torch.float32 else (3e-2 * k ** 0.5 / 8, 1e-2)
+        for config in (None, *CONFIGS):
+            for _ in range(2):
+                got = skinny_gemm(x, w, config)
+                torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
+                                           msg=lambda e: f"{(m, n, k)} {config}: {e}")
 
 
 def test_triton_skinny_gemm_equals_torch():
-    """The few-rows GEMM (a candidate for the lanes' linear layers), interpreted (fp16: the
+    """The few-rows split-K GEMM of the lanes' linear layers, interpreted: fp16 and fp32 (the
     interpreter's numbers are NumPy's)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "gemm"], env=env, capture_output=True, text=True, timeout=600)
@@ -241,6 +246,7 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
         sys.exit(0)
     if sys.argv[1:2] == ["gemm"]:
         compare_skinny_gemm("cpu", torch.float16)
+        compare_skinny_gemm("cpu", torch.float32)
         print("GEMM OK", flush=True)
         sys.exit(0)
     if sys.argv[1:2] == ["norms"]:
