@@ -1,9 +1,8 @@
 """Lane GEMMs: cuBLAS against the few-rows Triton kernel (``kernels/skinny_gemm.py``), GPU only.
 
 A lane step multiplies a handful of rows (16 padded rows at one request, ~64 at four) by every
-weight matrix of the shared block. This times ``torch.nn.functional.linear`` (cuBLAS), the Triton
-kernel's default configuration for the shape and each configuration of its ``CONFIGS`` (without and
-with K split) on the shared block's four matrices of a benchmark shape, at 4-64 rows, under CUDA
+weight matrix of the shared block. This times ``torch.nn.functional.linear`` (cuBLAS) and each
+configuration of the Triton kernel's ``CONFIGS`` (without and with K split) on the shared block's four matrices of a benchmark shape, at 4-64 rows, under CUDA
 graphs (``triton.testing.do_bench_cudagraph``: lane calls replay graphs, and eager timing would
 measure the host's launches instead), after checking each against an fp32 product. Each timed call
 multiplies by enough copies of the matrix to pass 256 MB, one after another as a lane step's layers
@@ -49,16 +48,16 @@ def main() -> None:
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench_cudagraph
 
-    from vllm_loop_kernels.skinny_gemm import CONFIGS, default_config, skinny_gemm
+    from vllm_loop_kernels.skinny_gemm import CONFIGS, skinny_gemm
 
     def label(c) -> str:  # columns x K-step, warps, stages, K slices
         return f"{c.block_n}x{c.block_k} w{c.warps} s{c.stages} k{c.splits}"
 
-    names = ["cuBLAS", "default"] + [label(c) for c in CONFIGS]
+    names = ["cuBLAS"] + [label(c) for c in CONFIGS]
     lines = [f"# {torch.cuda.get_device_name()}, bf16; us per call (do_bench_cudagraph); GB/s of weights read by "
              "the fastest (from HBM: each call streams its own copy)",
-             "| shape | matrix | rows | " + " | ".join(names) + " | fastest | GB/s | default is |",
-             "|---|---|---|" + "---|" * (len(names) + 3)]
+             "| shape | matrix | rows | " + " | ".join(names) + " | fastest | GB/s |",
+             "|---|---|---|" + "---|" * (len(names) + 2)]
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes:
         for name, (n, k) in shared_block_matrices(shape).items():
@@ -68,7 +67,7 @@ def main() -> None:
             for m in args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 want = (x.float() @ w.float().T)
-                products = [lambda w: torch.nn.functional.linear(x, w), lambda w: skinny_gemm(x, w)] + \
+                products = [lambda w: torch.nn.functional.linear(x, w)] + \
                            [lambda w, c=c: skinny_gemm(x, w, c) for c in CONFIGS]
                 times = []
                 for product in products:
@@ -84,7 +83,7 @@ def main() -> None:
                 best = min(range(len(times)), key=times.__getitem__)
                 gbs = n * k * 2 / (times[best] * 1e-6) / 1e9
                 lines.append(f"| {shape} | {name} {n}x{k} | {m} | " + " | ".join(f"{t:.1f}" for t in times)
-                             + f" | {names[best]} | {gbs:.0f} | {label(default_config(m, n, k))} |")
+                             + f" | {names[best]} | {gbs:.0f} |")
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

@@ -40,24 +40,11 @@ class GemmConfig(NamedTuple):
     splits: int  # slices of K (1: no split, each program writes its output directly)
 
 
-# the configurations benchmarks/lane_gemm_compare.py times (the first four: no split)
+# the configurations benchmarks/lane_gemm_compare.py times (splits 1: no split)
 CONFIGS = (GemmConfig(16, 256, 4, 4, 1), GemmConfig(32, 128, 4, 4, 1), GemmConfig(64, 128, 4, 3, 1),
            GemmConfig(16, 512, 8, 3, 1),
            GemmConfig(16, 256, 4, 2, 2), GemmConfig(16, 256, 4, 2, 4), GemmConfig(16, 128, 4, 2, 8),
            GemmConfig(32, 256, 4, 2, 4), GemmConfig(32, 128, 4, 2, 8), GemmConfig(16, 256, 4, 1, 8))
-# programs the default configuration aims at: enough for every SM of an H200 (132) to hold a few, so
-# that nearly all of a matrix's loads are in flight at once (the H200 sweep ranked it below cuBLAS)
-TARGET_PROGRAMS = 512
-
-
-def default_config(rows: int, n: int, k: int) -> GemmConfig:
-    """16 output columns a program, 256 of K an iteration, and as many K slices (1-8) as it takes to
-    reach ``TARGET_PROGRAMS`` programs without slicing K below one iteration."""
-    tiles = triton.cdiv(n, 16)
-    splits = 1
-    while splits < 8 and tiles * splits < TARGET_PROGRAMS and k >= 2 * splits * 256:
-        splits *= 2
-    return GemmConfig(16, 256, 4, 2, splits)
 
 
 @triton.jit
@@ -95,16 +82,15 @@ def _skinny_gemm_kernel(x_ptr, sx, w_ptr, sw, out_ptr, so, part_ptr, count_ptr, 
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K].T`` for ``M <= MAX_ROWS``; fp16, bf16 or fp32, accumulated in fp32.
-    ``config``: None for ``default_config``."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0]) -> torch.Tensor:
+    """``x [M, K] @ w [N, K].T`` for ``M <= MAX_ROWS``; fp16, bf16 or fp32, accumulated in fp32."""
     M, K = x.shape
     N = w.shape[0]
     if M > MAX_ROWS or w.shape[1] != K:
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)}, w {tuple(w.shape)} (at most {MAX_ROWS} rows)")
     if x.dtype not in DTYPES or w.dtype != x.dtype:
         raise ValueError(f"skinny_gemm: x {x.dtype}, w {w.dtype}; allowed: both of one of {DTYPES}")
-    config = GemmConfig(*(config or default_config(M, N, K)))
+    config = GemmConfig(*config)
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)

@@ -444,7 +444,7 @@ def test_triton_norm_add_norm_on_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 def test_triton_skinny_gemm_on_gpu(dtype):
-    """Every configuration of the few-rows GEMM and its default against an fp64 product, at small
+    """Every configuration of the few-rows GEMM against an fp64 product, at small
     shapes and at Ouro-1.4B's four (the CPU test runs it interpreted); fp32 without TF32."""
     from test_lane_kernels import compare_skinny_gemm
 
