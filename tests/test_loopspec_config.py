@@ -185,3 +185,37 @@ def test_vllm_serve_refuses_a_bad_loopspec_config(ckpt_factory, tmp_path):
     )
     assert proc.returncode != 0
     assert "d2=4 is invalid: d2 must be < R (R=4)" in proc.stdout + proc.stderr
+
+
+def _graph_sizes(loopspec: bool, **compilation) -> tuple[int, int]:
+    """vLLM's CUDA graph sizes (largest, how many) for a GPU engine of 128 sequences with 16 drafts a
+    request, from ``VllmConfig._set_cudagraph_sizes`` as the plugin leaves it (no GPU here: the sizes
+    are computed on a config whose other fields are stand-ins)."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_loop import plugin
+
+    plugin.register()
+    cfg = object.__new__(VllmConfig)
+    fields = dict(model_config=NS(enforce_eager=False),
+                  compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, **compilation),
+                  scheduler_config=NS(max_num_seqs=128, max_num_batched_tokens=16384),
+                  parallel_config=NS(tensor_parallel_size=1), speculative_config=NS(num_speculative_tokens=16),
+                  diffusion_config=None, additional_config={"loopspec": {"R": 4}} if loopspec else {})
+    for name, value in fields.items():
+        object.__setattr__(cfg, name, value)
+    VllmConfig._set_cudagraph_sizes(cfg)
+    return cfg.compilation_config.max_cudagraph_capture_size, len(cfg.compilation_config.cudagraph_capture_sizes)
+
+
+def test_loopspec_graph_sizes_are_a_vanilla_engines():
+    """A LoopSpec engine's plain steps have one token a request: its graphs go to 2 x max_num_seqs as a
+    vanilla engine's (35 sizes to 256), not to vLLM's draft-model size (51 to 512); the user's own
+    sizes win; other speculative engines keep vLLM's."""
+    assert _graph_sizes(True) == (256, 35)
+    assert _graph_sizes(False) == (512, 51)
+    assert _graph_sizes(True, max_cudagraph_capture_size=64) == (64, 11)
+    assert _graph_sizes(True, cudagraph_capture_sizes=[1, 2, 400]) == (400, 3)

@@ -72,6 +72,43 @@ def test_supported_vllm_registers_the_real_classes():
     assert res.stdout.split("RESULT", 1)[1].strip() == "CoconutGPT2LMHeadModel"
 
 
+INSPECTION = """
+import json, os, sys
+from vllm.model_executor.models import registry
+from vllm_loop import plugin
+plugin.register()
+def no_subprocess(fn):
+    raise RuntimeError("inspected in a subprocess")
+registry._run_in_subprocess = no_subprocess
+out = {}
+for arch in ("OuroForCausalLM", "RavenForCausalLM", "CoconutGPT2LMHeadModel"):
+    out[arch] = registry.ModelRegistry.models[arch].inspect_model_cls().is_text_generation_model
+try:  # vLLM's own lazily registered models keep vLLM's subprocess
+    registry._LazyRegisteredModel("vllm.model_executor.models.llama", "LlamaForCausalLM").inspect_model_cls()
+    out["llama"] = "in process"
+except RuntimeError as e:
+    out["llama"] = str(e)
+out["cached"] = sorted(os.listdir(os.path.join(os.environ["VLLM_CACHE_ROOT"], "modelinfos")))
+out["cuda"] = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_plugin_models_are_inspected_in_process(tmp_path):
+    """On an empty model-info cache vLLM inspects a lazily registered class in a fresh Python
+    subprocess (~20 s of a cold start on the H200 host); the plugin's own classes are inspected in
+    the calling process, cached where vLLM caches them, and leave CUDA untouched."""
+    res = _run(INSPECTION, VLLM_CACHE_ROOT=str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    assert out["OuroForCausalLM"] and out["RavenForCausalLM"] and out["CoconutGPT2LMHeadModel"]
+    assert out["llama"] == "inspected in a subprocess"
+    assert out["cached"] == ["vllm_loop-latent-models-CoconutGPT2LMHeadModel.json",
+                             "vllm_loop-models-ouro-OuroForCausalLM.json",
+                             "vllm_loop-models-raven-RavenForCausalLM.json"]
+    assert out["cuda"] is False
+
+
 @pytest.mark.engine
 def test_unsupported_vllm_engine_does_not_start(ckpt_factory):
     """End to end: ``LLM(coconut checkpoint)`` on a vLLM reporting 0.27.0 fails at model

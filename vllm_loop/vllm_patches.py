@@ -32,10 +32,38 @@ def install_config_verifiers() -> None:
     model_configs.MODELS_CONFIG_MAP.update(VERIFIERS)
 
 
+def install_inprocess_model_inspection() -> None:
+    """The first time vLLM meets a lazily registered model module (``"module:Class"``) it inspects the
+    class in a fresh Python subprocess (``_LazyRegisteredModel.inspect_model_cls`` ->
+    ``_run_in_subprocess``), so that importing a model cannot initialize CUDA in the front end; the
+    result is cached in ``VLLM_CACHE_ROOT/modelinfos`` for later starts. That subprocess imports torch
+    and vLLM from scratch: 21-23 s of a cold engine start on the H200 host (benchmarks/RESULTS.md,
+    eighteenth run). This plugin's model modules create no CUDA state at import, so their classes are
+    inspected in this process instead (and cached as vLLM caches them); every other model keeps vLLM's
+    subprocess."""
+    from unittest.mock import patch
+
+    from vllm.model_executor.models import registry
+
+    original = registry._LazyRegisteredModel.inspect_model_cls
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def inspect_model_cls(self):
+        if not self.module_name.startswith("vllm_loop."):
+            return original(self)
+        with patch.object(registry, "_run_in_subprocess", lambda fn: fn()):
+            return original(self)
+
+    inspect_model_cls._vllm_loop = True
+    registry._LazyRegisteredModel.inspect_model_cls = inspect_model_cls
+
+
 def install() -> None:
     if not _check_version():
         return
     install_config_verifiers()
+    install_inprocess_model_inspection()
     install_latent_frontend()
     install_latent_runner()
     install_latent_config()
@@ -659,12 +687,30 @@ def install_loopspec_decode_graphs() -> None:
     (attention outside the graph, once per bank), which made a plain step cost ~2x a vanilla
     engine's on the H200 (benchmarks/RESULTS.md). So a LoopSpec runner declares 1-token decode
     uniform before vLLM builds its graph keys and capture sizes (``_check_and_update_cudagraph_mode``
-    of vLLM 0.26's ``GPUModelRunner``, and the runner's ``CudagraphDispatcher``)."""
+    of vLLM 0.26's ``GPUModelRunner``, and the runner's ``CudagraphDispatcher``).
+
+    For the same reason the graph sizes are a vanilla engine's: vLLM sizes its largest graph for
+    draft-model steps, ``min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512)`` (512 for
+    LoopSpec at any batch, as its drafts are 16+), where a LoopSpec engine's plain steps have one
+    token a request. Without the user's own ``cudagraph_capture_sizes`` / ``max_cudagraph_capture_size``,
+    a LoopSpec engine gets ``min(max_num_seqs x 2, 512)`` (``VllmConfig._set_cudagraph_sizes``): at
+    128 sequences 35 piecewise graphs instead of 51, the same 19 full decode graphs, and 6-7 s less
+    start-up on the H200 (benchmarks/RESULTS.md, eighteenth run)."""
+    from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_loop.loopspec.config import knobs
 
     original = GPUModelRunner._check_and_update_cudagraph_mode
     if getattr(original, "_vllm_loop", False):
         return
+    set_sizes = VllmConfig._set_cudagraph_sizes
+
+    def set_cudagraph_sizes(self):
+        cc = self.compilation_config
+        if knobs(self) is not None and cc.cudagraph_capture_sizes is None and cc.max_cudagraph_capture_size is None:
+            cc.max_cudagraph_capture_size = min(self.scheduler_config.max_num_seqs * 2, 512)
+        return set_sizes(self)
 
     def check_and_update_cudagraph_mode(self, *args, **kwargs):
         if _loopspec_runner(self) is not None:
@@ -674,3 +720,4 @@ def install_loopspec_decode_graphs() -> None:
 
     check_and_update_cudagraph_mode._vllm_loop = True
     GPUModelRunner._check_and_update_cudagraph_mode = check_and_update_cudagraph_mode
+    VllmConfig._set_cudagraph_sizes = set_cudagraph_sizes

@@ -1,0 +1,199 @@
+"""Engine start of a looped model with LoopSpec on, cold and warm, phase by phase.
+
+Every start runs in its own process. ``cold``: vLLM's, Inductor's and Triton's compile caches
+(``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) point at a fresh empty folder;
+``warm``: the same engine again on the folder its cold start filled. Start = the wall time of
+``LLM(...)``; then one request (32-token prompt, 64 new tokens) is timed twice: the first includes
+the lane graphs' captures (lane calls are captured on first use), the second does not. vLLM's log
+lines give the phases (weights, Dynamo, Inductor, the whole compile, graph capture, ``init engine``).
+
+``--variants`` picks settings of vLLM's own to compare on the same checkpoint: ``default``;
+``no-aot`` (``VLLM_USE_AOT_COMPILE=0``: no ahead-of-time compiled artifact is serialized; a warm
+start re-runs Dynamo and loads Inductor's cached graphs instead); ``capture-256``
+(``compilation_config.max_cudagraph_capture_size`` 256, what vLLM picks for 128 sequences without
+speculative decoding: a LoopSpec engine's ``num_speculative_tokens`` makes it 512, though its plain
+steps run one token a request); ``no-aot-capture-256`` (both). The JSON also holds a timeline: the
+seconds from the worker's first log line to each of vLLM's start-up milestones. ``--cprofile``: each
+cold start also runs once more with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under
+``cProfile``, its functions by cumulative and own time in ``*.cprofile.txt`` (the profiler slows
+Python-heavy phases such as Dynamo: read shares, not seconds).
+
+    python3 benchmarks/engine_start.py --shape ouro-1.4b --variants default,no-aot --out OUT/engine-start.json
+    python3 benchmarks/engine_start.py --shape tiny-ouro --variants default --out /tmp/start.json   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import loopspec_speed  # noqa: E402  (the shapes and their factory checkpoints)
+
+NO_AOT, CAPTURE_256 = {"VLLM_USE_AOT_COMPILE": "0"}, {"compilation_config": {"max_cudagraph_capture_size": 256}}
+VARIANTS = {  # name -> (environment, engine keyword arguments)
+    "default": ({}, {}), "no-aot": (NO_AOT, {}), "capture-256": ({}, CAPTURE_256),
+    "no-aot-capture-256": (NO_AOT, CAPTURE_256)}
+MILESTONES = ("Resolved architecture", "Initializing a V1 LLM engine", "Starting to load model", "Model loading took",
+              "Dynamo bytecode transform time", "Compiling a graph for compile range", "saved AOT compiled function",
+              "torch.compile took", "torch.compile and initial", "Initial profiling/warmup run took",
+              "Profiling CUDA graph memory", "Available KV cache memory", "Graph capturing finished", "init engine")
+PHASES = {  # name -> the vLLM 0.26 log line that carries it (seconds), summed where it repeats
+    "weights_s": r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds",
+    "dynamo_s": r"Dynamo bytecode transform time: ([\d.]+) s",
+    "inductor_s": r"Compiling a graph for compile range .* takes ([\d.]+) s",
+    "inductor_cached_s": r"Directly load the compiled graph\(s\) for compile range .* took ([\d.]+) s",
+    "compile_s": r"torch\.compile (?:and initial profiling/warmup run together )?took ([\d.]+) s in total",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+}
+
+
+def phases(log: str) -> dict:
+    out = {}
+    for name, pattern in PHASES.items():
+        found = [float(x) for x in re.findall(pattern, log)]
+        if found:
+            out[name] = round(sum(found), 2)
+    return out
+
+
+def timeline(log: str) -> list:
+    """``[seconds since the first timestamped line, milestone]`` for each start-up milestone (vLLM's log
+    timestamps have one-second resolution)."""
+    stamps = [(m.group(1), line) for line in log.splitlines()
+              if (m := re.search(r"(?:INFO|WARNING|DEBUG) \d\d-\d\d (\d\d:\d\d:\d\d) ", line))]
+    if not stamps:
+        return []
+
+    def sec(hms: str) -> int:
+        h, m, s = map(int, hms.split(":"))
+        return 3600 * h + 60 * m + s
+
+    t0, out = sec(stamps[0][0]), []
+    for hms, line in stamps:
+        hit = next((x for x in MILESTONES if x in line), None)
+        if hit:
+            out.append([(sec(hms) - t0) % 86400, hit])
+    return out
+
+
+def worker(args) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs, seed=0, enforce_eager=not gpu,
+              speculative_config=json.loads(args.spec)) | VARIANTS[args.variant][1]
+    kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
+    t0 = time.time()
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        with cProfile.Profile() as prof:
+            llm = LLM(args.checkpoint, **kw)
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(50)
+        Path(args.cprofile).write_text(text.getvalue())
+    else:
+        llm = LLM(args.checkpoint, **kw)
+    start = time.time() - t0
+    prompt = [{"prompt_token_ids": [(13 * j) % 400 + 5 for j in range(32)]}]
+    sp = SamplingParams(max_tokens=64, min_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
+    times = []
+    for _ in range(2):
+        t = time.time()
+        llm.generate(prompt, sp, use_tqdm=False)
+        times.append(time.time() - t)
+    return {"start_s": round(start, 1), "first_request_s": round(times[0], 2), "second_request_s": round(times[1], 2)}
+
+
+def run_one(args, variant: str, cache: Path, log: Path, cprofile: Path | None = None) -> dict:
+    env = dict(os.environ) | VARIANTS[variant][0] | ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cprofile else {})
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("TRITON_CACHE_DIR", "triton")):
+        env[var] = str(cache / sub)
+    cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--checkpoint", args.checkpoint,
+           "--spec", args.spec, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--out", args.out,
+           "--variant", variant] + \
+        (["--cprofile", str(cprofile)] if cprofile else [])
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.time() - t0
+    log.write_text(proc.stdout)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(proc.stdout[-4000:], file=sys.stderr)
+        raise SystemExit(f"{variant}: the start-up worker failed (exit {proc.returncode}); log {log}")
+    return json.loads(line[len("RESULT "):]) | {"process_s": round(wall, 1)} | phases(proc.stdout) | \
+        {"timeline": timeline(proc.stdout)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=list(loopspec_speed.SHAPES), default="ouro-1.4b")
+    ap.add_argument("--agreement", default=None, help="factory agreement option (default: the shape's)")
+    ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's, lanes auto)")
+    ap.add_argument("--variants", default="default", help="comma-separated: " + ", ".join(VARIANTS))
+    ap.add_argument("--starts", default="cold,warm", help="cold, warm or both (warm follows its variant's cold)")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="as loopspec_speed.py's engines at c <= 128")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--checkpoint", default=None, help="the checkpoint folder (made there if missing)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="default", help=argparse.SUPPRESS)  # the worker's
+    ap.add_argument("--cprofile", nargs="?", const="yes", default=None,
+                    help="also profile each cold start in-process (cProfile; the worker's own: the output file)")
+    args = ap.parse_args()
+    args.spec = args.spec or json.dumps(loopspec_speed.SHAPES[args.shape][3] | {"lanes": "auto"})
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
+    starts = args.starts.split(",")
+    if not set(starts) <= {"cold", "warm"}:
+        ap.error(f"--starts {args.starts!r}: allowed cold, warm or cold,warm")
+    if args.checkpoint is None or not Path(args.checkpoint).exists():  # made here (into --checkpoint if given)
+        folder = Path(args.checkpoint or Path(tempfile.mkdtemp()) / args.shape)
+        agreement = args.agreement or loopspec_speed.AGREEMENT.get(args.shape, "0.005")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        loopspec_speed.make_shape_checkpoint(args.shape, folder, agreement)
+        args.checkpoint = str(folder)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for variant in args.variants.split(","):
+        cache = Path(tempfile.mkdtemp(prefix=f"engine-start-{variant}-"))
+        for start in ("cold", "warm"):
+            if start not in starts and not (start == "cold" and "warm" in starts):
+                continue  # a warm start needs its cold start first (it is measured, and reported, too)
+            row = {"variant": variant, "start": start} | run_one(args, variant, cache,
+                                                                 out.with_suffix(f".{variant}.{start}.log"))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.cprofile and start == "cold":  # another cold start, in-process, under the profiler
+                pcache = Path(tempfile.mkdtemp(prefix=f"engine-start-{variant}-profiled-"))
+                name = f".{variant}.{start}.cprofile"
+                prow = run_one(args, variant, pcache, out.with_suffix(name + ".log"), out.with_suffix(name + ".txt"))
+                rows.append({"variant": variant, "start": start, "cprofile": True} | prow)
+                print(json.dumps(rows[-1]), flush=True)
+    out.write_text(json.dumps({"shape": args.shape, "spec": json.loads(args.spec), "max_num_seqs": args.max_num_seqs,
+                               "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
