@@ -3,16 +3,16 @@
 Every start runs in its own process. ``cold``: vLLM's, Inductor's and Triton's compile caches
 (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) point at a fresh empty folder;
 ``warm``: the same engine again on the folder its cold start filled. Start = the wall time of
-``LLM(...)``; then one request (32-token prompt, 64 new tokens) is timed twice: the first includes
-the lane graphs' captures (lane calls are captured on first use), the second does not. vLLM's log
+``LLM(...)``; then one request (32-token prompt, 64 new tokens) is timed twice: the first pays for
+whatever is built on first use (lane graphs, where the lanes policy runs lanes), the second does not. vLLM's log
 lines give the phases (weights, Dynamo, Inductor, the whole compile, graph capture, ``init engine``).
 
 ``--variants`` picks settings of vLLM's own to compare on the same checkpoint: ``default``;
 ``no-aot`` (``VLLM_USE_AOT_COMPILE=0``: no ahead-of-time compiled artifact is serialized; a warm
 start re-runs Dynamo and loads Inductor's cached graphs instead); ``capture-256``
-(``compilation_config.max_cudagraph_capture_size`` 256, what vLLM picks for 128 sequences without
-speculative decoding: a LoopSpec engine's ``num_speculative_tokens`` makes it 512, though its plain
-steps run one token a request); ``no-aot-capture-256`` (both). The JSON also holds a timeline: the
+(``compilation_config.max_cudagraph_capture_size`` 256 given explicitly: what vLLM picks for 128
+sequences without speculative decoding, and the plugin's default for LoopSpec engines since
+2026-12-03; before, vLLM's draft-model size, 512); ``no-aot-capture-256`` (both). The JSON also holds a timeline: the
 seconds from the worker's first log line to each of vLLM's start-up milestones. ``--cprofile``: each
 cold start also runs once more with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under
 ``cProfile``, its functions by cumulative and own time in ``*.cprofile.txt`` (the profiler slows
