@@ -709,7 +709,7 @@ def install_loopspec_decode_graphs() -> None:
     def set_cudagraph_sizes(self):
         cc = self.compilation_config
         if knobs(self) is not None and cc.cudagraph_capture_sizes is None and cc.max_cudagraph_capture_size is None:
-            cc.max_cudagraph_capture_size = min(self.scheduler_config.max_num_seqs * 2, 512)
+            cc.max_cudagraph_capture_size = min(self.scheduler_config.max_num_seqs * 2, 512)  # vLLM's cap, 512
         return set_sizes(self)
 
     def check_and_update_cudagraph_mode(self, *args, **kwargs):
@@ -718,6 +718,6 @@ def install_loopspec_decode_graphs() -> None:
             self.cudagraph_dispatcher.uniform_decode_query_len = 1
         return original(self, *args, **kwargs)
 
-    check_and_update_cudagraph_mode._vllm_loop = True
+    check_and_update_cudagraph_mode._vllm_loop = set_cudagraph_sizes._vllm_loop = True
     GPUModelRunner._check_and_update_cudagraph_mode = check_and_update_cudagraph_mode
     VllmConfig._set_cudagraph_sizes = set_cudagraph_sizes
