@@ -7,18 +7,25 @@ Every start runs in its own process. ``cold``: vLLM's, Inductor's and Triton's c
 whatever is built on first use (lane graphs, where the lanes policy runs lanes), the second does not. vLLM's log
 lines give the phases (weights, Dynamo, Inductor, the whole compile, graph capture, ``init engine``).
 
-``--variants`` picks settings of vLLM's own to compare on the same checkpoint: ``default``;
+``--variants`` picks settings to compare on the same checkpoint: ``default``;
 ``no-aot`` (``VLLM_USE_AOT_COMPILE=0``: no ahead-of-time compiled artifact is serialized; a warm
 start re-runs Dynamo and loads Inductor's cached graphs instead); ``capture-256``
 (``compilation_config.max_cudagraph_capture_size`` 256 given explicitly: what vLLM picks for 128
 sequences without speculative decoding, and the plugin's default for LoopSpec engines since
-2026-12-03; before, vLLM's draft-model size, 512); ``no-aot-capture-256`` (both). The JSON also holds a timeline: the
-seconds from the worker's first log line to each of vLLM's start-up milestones. ``--cprofile``: each
-cold start also runs once more with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under
+2026-12-03; before, vLLM's draft-model size, 512); ``no-aot-capture-256`` (both); ``inline-save``,
+``no-gc-freeze``, ``one-compile-thread``, ``vllm-startup``: the plugin's start-up changes
+(``vllm_patches.install_compiled_model_startup``: the compiled forward saved from a child process, no
+full collections while compiling, Inductor's Triton kernels built by a pool of processes) turned off,
+one of them or all. A warm start waits for its cold start's saved artifact, and reports whether vLLM
+loaded it (``aot_loaded``) and whether its request's tokens equal the cold start's (``same_tokens``).
+The JSON also holds a timeline: the seconds from the worker's first log line to each of vLLM's start-up
+milestones. ``--probe``: every start also records its full garbage collections and Triton compiles
+(``startup_probe/``; seconds, counts, and the kernels compiled). ``--cprofile``: each cold start also
+runs once more with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under
 ``cProfile``, its functions by cumulative and own time in ``*.cprofile.txt`` (the profiler slows
 Python-heavy phases such as Dynamo: read shares, not seconds).
 
-    python3 benchmarks/engine_start.py --shape ouro-1.4b --variants default,no-aot --out OUT/engine-start.json
+    python3 benchmarks/engine_start.py --shape ouro-1.4b --variants default,vllm-startup --probe --out OUT/engine-start.json
     python3 benchmarks/engine_start.py --shape tiny-ouro --variants default --out /tmp/start.json   # CPU smoke
 """
 
@@ -38,13 +45,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 import loopspec_speed  # noqa: E402  (the shapes and their factory checkpoints)
 
 NO_AOT, CAPTURE_256 = {"VLLM_USE_AOT_COMPILE": "0"}, {"compilation_config": {"max_cudagraph_capture_size": 256}}
+INLINE_SAVE, NO_FREEZE, ONE_THREAD = {"VLLM_LOOP_AOT_SAVE": "inline"}, {"VLLM_LOOP_GC_FREEZE": "0"}, \
+    {"VLLM_LOOP_COMPILE_THREADS": "1"}
 VARIANTS = {  # name -> (environment, engine keyword arguments)
     "default": ({}, {}), "no-aot": (NO_AOT, {}), "capture-256": ({}, CAPTURE_256),
-    "no-aot-capture-256": (NO_AOT, CAPTURE_256)}
+    "no-aot-capture-256": (NO_AOT, CAPTURE_256),
+    # the plugin's start-up changes (vllm_patches.install_compiled_model_startup) turned off, one or all
+    "inline-save": (INLINE_SAVE, {}), "no-gc-freeze": (NO_FREEZE, {}), "one-compile-thread": (ONE_THREAD, {}),
+    "vllm-startup": (INLINE_SAVE | NO_FREEZE | ONE_THREAD, {})}
 MILESTONES = ("Resolved architecture", "Initializing a V1 LLM engine", "Starting to load model", "Model loading took",
               "Dynamo bytecode transform time", "Compiling a graph for compile range", "saved AOT compiled function",
               "torch.compile took", "torch.compile and initial", "Initial profiling/warmup run took",
-              "Profiling CUDA graph memory", "Available KV cache memory", "Graph capturing finished", "init engine")
+              "Profiling CUDA graph memory", "Available KV cache memory", "Graph capturing finished", "init engine",
+              "compiled forward saved for later starts")
+PROBE = Path(__file__).with_name("startup_probe")  # sitecustomize.py: full collections and Triton compiles
 PHASES = {  # name -> the vLLM 0.26 log line that carries it (seconds), summed where it repeats
     "weights_s": r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds",
     "dynamo_s": r"Dynamo bytecode transform time: ([\d.]+) s",
@@ -114,9 +128,33 @@ def worker(args) -> dict:
     times = []
     for _ in range(2):
         t = time.time()
-        llm.generate(prompt, sp, use_tqdm=False)
+        out = llm.generate(prompt, sp, use_tqdm=False)
         times.append(time.time() - t)
-    return {"start_s": round(start, 1), "first_request_s": round(times[0], 2), "second_request_s": round(times[1], 2)}
+    return {"start_s": round(start, 1), "first_request_s": round(times[0], 2), "second_request_s": round(times[1], 2),
+            "tokens": list(out[0].outputs[0].token_ids), "started_at": t0}
+
+
+def probe_summary(path: Path, t0: float, t1: float) -> dict:
+    """The probe's events between ``t0`` and ``t1`` (wall clock: the engine's start), full collections and
+    Triton compiles; ``events`` gives each one's seconds after ``t0`` and process (0: the front end)."""
+    events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    events = [e for e in events if t0 <= e["t"] <= t1]
+    gcs = [e for e in events if e["kind"] == "gc"]
+    builds = [e for e in events if e["kind"] == "triton" and not e["hit"]]
+    pids = sorted({e["pid"] for e in events})
+    return {"gc_full_n": len(gcs), "gc_full_s": round(sum(e["s"] for e in gcs), 2),
+            "gc_full_s_by_process": [round(sum(e["s"] for e in gcs if e["pid"] == pid), 2) for pid in pids],
+            "gc_full_max_s": max((e["s"] for e in gcs), default=0),
+            "triton_builds_n": len(builds), "triton_builds_s": round(sum(e["s"] for e in builds), 2),
+            "triton_hits_n": sum(e["kind"] == "triton" and e["hit"] for e in events),
+            "triton_built": sorted({e["name"] for e in builds}),
+            "events": [[round(e["t"] - t0, 2), pids.index(e["pid"]), e["kind"], e.get("name"), e["s"]]
+                       for e in events if e["kind"] == "triton" or e["s"] >= 0.05]}
+
+
+def saved_artifact(cache: Path) -> Path | None:
+    """vLLM's saved AOT-compiled forward under a start's cache, if any."""
+    return next(iter((cache / "vllm" / "torch_compile_cache" / "torch_aot_compile").glob("*/rank_*/model")), None)
 
 
 def run_one(args, variant: str, cache: Path, log: Path, cprofile: Path | None = None) -> dict:
@@ -124,6 +162,11 @@ def run_one(args, variant: str, cache: Path, log: Path, cprofile: Path | None = 
     for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                      ("TRITON_CACHE_DIR", "triton")):
         env[var] = str(cache / sub)
+    probe = log.with_suffix(".probe.jsonl") if args.probe else None
+    if probe:
+        probe.unlink(missing_ok=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH")]))
+        env["LOOP_STARTUP_PROBE"] = str(probe)
     cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--checkpoint", args.checkpoint,
            "--spec", args.spec, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--out", args.out,
            "--variant", variant] + \
@@ -136,8 +179,11 @@ def run_one(args, variant: str, cache: Path, log: Path, cprofile: Path | None = 
     if proc.returncode != 0 or line is None:
         print(proc.stdout[-4000:], file=sys.stderr)
         raise SystemExit(f"{variant}: the start-up worker failed (exit {proc.returncode}); log {log}")
-    return json.loads(line[len("RESULT "):]) | {"process_s": round(wall, 1)} | phases(proc.stdout) | \
-        {"timeline": timeline(proc.stdout)}
+    row = json.loads(line[len("RESULT "):]) | {"process_s": round(wall, 1)} | phases(proc.stdout) | \
+        {"aot_loaded": "Directly load AOT compilation" in proc.stdout, "timeline": timeline(proc.stdout)}
+    if probe:
+        row["probe"] = probe_summary(probe, row["started_at"], row["started_at"] + row["start_s"])
+    return row
 
 
 def main() -> int:
@@ -153,6 +199,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="default", help=argparse.SUPPRESS)  # the worker's
+    ap.add_argument("--probe", action="store_true", help="record full collections and Triton compiles (startup_probe/)")
     ap.add_argument("--cprofile", nargs="?", const="yes", default=None,
                     help="also profile each cold start in-process (cProfile; the worker's own: the output file)")
     args = ap.parse_args()
@@ -180,8 +227,17 @@ def main() -> int:
         for start in ("cold", "warm"):
             if start not in starts and not (start == "cold" and "warm" in starts):
                 continue  # a warm start needs its cold start first (it is measured, and reported, too)
-            row = {"variant": variant, "start": start} | run_one(args, variant, cache,
-                                                                 out.with_suffix(f".{variant}.{start}.log"))
+            row = {"variant": variant, "start": start}
+            cold = next((r for r in reversed(rows) if r["variant"] == variant and r["start"] == "cold"
+                         and not r.get("cprofile")), {})
+            if start == "warm" and cold.get("dynamo_s") and "VLLM_USE_AOT_COMPILE" not in VARIANTS[variant][0]:
+                t = time.time()  # the cold start's artifact may still be on its way (saved by a child process)
+                while saved_artifact(cache) is None and time.time() - t < 180:
+                    time.sleep(1)
+                row["waited_for_artifact_s"] = round(time.time() - t, 1)
+            row |= run_one(args, variant, cache, out.with_suffix(f".{variant}.{start}.log"))
+            if start == "warm":
+                row["same_tokens"] = row["tokens"] == cold["tokens"]
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.cprofile and start == "cold":  # another cold start, in-process, under the profiler
