@@ -1,6 +1,6 @@
 """Start-up of the plugin's compiled models (``vllm_patches.install_compiled_model_startup``): the
-compiled forward saved from a forked child process, the heap frozen around the compile, and both
-confined to the plugin's own classes."""
+compiled forward saved from a forked child process, no full collections while it compiles, and both
+(with the compile pool's hook) confined to the plugin's own classes."""
 
 from __future__ import annotations
 

@@ -28,6 +28,11 @@ def _check_version() -> bool:
     return vllm.__version__.startswith(SUPPORTED_VLLM)
 
 
+def _ours(module_name: str) -> bool:
+    """Is this one of the plugin's own modules (the only code the hooks below change vLLM's ways for)?"""
+    return module_name.startswith("vllm_loop.")
+
+
 def install_config_verifiers() -> None:
     """Run our start-up checks in the front end: vLLM looks up per-architecture config hooks in the
     private dict ``MODELS_CONFIG_MAP`` (vllm/model_executor/models/config.py) while building
@@ -57,7 +62,7 @@ def install_inprocess_model_inspection() -> None:
         return
 
     def inspect_model_cls(self):
-        if not self.module_name.startswith("vllm_loop."):
+        if not _ours(self.module_name):
             return original(self)
         with patch.object(registry, "_run_in_subprocess", lambda fn: fn()):
             return original(self)
@@ -97,9 +102,9 @@ def install_compiled_model_startup() -> None:
     * **the saved artifact**: with ``VLLM_USE_AOT_COMPILE`` (vLLM's default on torch >= 2.10) the
       decorated model's ``save_aot_compiled_function`` pickles the whole traced graph, in pure Python
       (dill), before the engine goes on: 10-21 s for Ouro-1.4B's 96 unrolled layers on the H200
-      hosts, for later starts only. The plugin's models save it from a forked child process instead, which holds a
-      copy-on-write image of the compiled function and writes the same file through vLLM's own
-      temporary name and rename (a reader never sees half a file); the engine goes on at once. The
+      hosts, for later starts only. The plugin's models save it from a forked child process instead,
+      which holds a copy-on-write image of the compiled function and writes the same file through
+      vLLM's own temporary name and rename (a reader never sees half a file); the engine goes on. The
       child touches no CUDA state (the artifact holds meta tensors only), ends itself after
       ``AOT_SAVE_TIMEOUT_S``, and a failed save costs only the next start its warm cache. Ray
       workers save as vLLM does (forking them is untested).
@@ -124,7 +129,7 @@ def install_compiled_model_startup() -> None:
 
     def support_torch_compile(cls, *args, **kwargs):
         cls = original(cls, *args, **kwargs)
-        if cls.__module__.startswith("vllm_loop.") and not getattr(cls.__call__, "_vllm_loop", False):
+        if _ours(cls.__module__) and not getattr(cls.__call__, "_vllm_loop", False):
             cls.__call__ = _compiled_on_first_call(cls.__call__)
             cls.save_aot_compiled_function = _saved_in_background(cls.save_aot_compiled_function)
         return cls
@@ -133,7 +138,7 @@ def install_compiled_model_startup() -> None:
 
     def try_load_aot_compiled_fn(model, path):
         loaded = try_load(model, path)
-        if loaded is None and type(model).__module__.startswith("vllm_loop."):
+        if loaded is None and _ours(type(model).__module__):
             _start_compile_workers(model)  # no saved forward: this start compiles
         return loaded
 
