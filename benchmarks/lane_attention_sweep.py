@@ -21,6 +21,15 @@ merges) against the two-pass one (a second kernel merges), on every case of the 
 ``MERGE = "auto"`` picks by the number of (lane, KV head) pairs):
 
     python benchmarks/lane_attention_sweep.py --merge --out benchmarks/results/lane-attention-merge-h200.jsonl
+
+``--ancestors FILE``: deep lane windows -- Huginn-0125 lanes with ancestor lists as wide as an R=32
+pipeline's lane cap (63) and up to 3 / 31 / 63 ancestors each -- timed with the module's kernel, with
+the kernel in FILE (an earlier copy of ``kernels/lane_attention.py``), and with the module's kernel at
+1 / 2 / 4 warps per program and 16 / 32 / 64 positions a step (``module_w{warps}n{positions}``), same
+inputs:
+
+    git show 7432c9e:kernels/lane_attention.py > /tmp/old.py
+    python benchmarks/lane_attention_sweep.py --ancestors /tmp/old.py --out lane-attention-ancestors.jsonl
 """
 
 from __future__ import annotations
@@ -106,15 +115,72 @@ def settings_merge(case, width, paged) -> dict:
     return {"one-pass": ({"merge": "one-pass"}, None), "two-pass": ({"merge": "two-pass"}, None)}
 
 
+def ancestors_sweep(baseline: str) -> list[str]:
+    """The module's kernel and ``baseline``'s on lanes with deep ancestor lists (``--ancestors``)."""
+    import importlib.util
+
+    from triton.testing import do_bench_cudagraph
+
+    import vllm_loop_kernels.lane_attention as la
+    from vllm_loop.loopspec.lane_kv import LaneAttention
+
+    spec = importlib.util.spec_from_file_location("baseline_lane_attention", baseline)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    lines = []
+    for lanes in (28, 56):
+        for deepest in (3, 31, 63):
+            paged, scratch, rows, banks, q, k, v = make_case("huginn-0125", 1, lanes, 352, 0, width=256)
+            # ancestors in pool slots of their own (no row of the call writes them, as in an engine, where
+            # a lane reads its ancestors at its own bank), up to `deepest` a row, -1 padded to the lane cap
+            S, n, _, H, D = scratch.kv.shape
+            kv = torch.randn(S, n + 64, 2, H, D, device=q.device, dtype=scratch.kv.dtype)
+            kv[:, :n] = scratch.kv
+            scratch.kv = kv
+            g = torch.Generator(device=q.device).manual_seed(lanes + deepest)
+            count = torch.randint(0, deepest + 1, (lanes, 1), device=q.device, generator=g)
+            a = torch.arange(63, device=q.device)[None, :]
+            rows.ancestors = torch.where(a < count, n + a, -1)
+            scale = q.shape[-1] ** -0.5
+            ids = torch.arange(paged.num_banks, device=q.device)
+            want = LaneAttention(paged, scratch, rows)(ids, banks, q, k, v, scale).float()
+            res = {"shape": "huginn-0125", "lanes": lanes, "prefix": 352, "ancestor_width": 63,
+                   "ancestors_up_to": deepest}
+            # the module's kernel at its settings, then at other warps per program / positions per step
+            variants = [("module", la, None), ("baseline", old, None)] + \
+                [(f"module_w{w}n{b}", la, (w, b)) for w in (1, 2, 4) for b in (16, 32, 64) if (w, b) != (1, 16)]
+            kept = (la.LANE_WARPS, la.BLOCK_N)
+            for name, mod, setting in variants:
+                if setting is not None:
+                    la.LANE_WARPS, la.BLOCK_N = setting
+
+                def call(mod=mod):
+                    return mod.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, ids, banks, rows.prefix,
+                                              rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale)
+                err = (call().float() - want).abs().max().item()
+                if err > 2e-2:
+                    raise AssertionError(f"{res} {name}: max abs error {err:.3g}")
+                res[f"{name}_us"] = round(do_bench_cudagraph(call) * 1e3, 2)
+                la.LANE_WARPS, la.BLOCK_N = kept
+            lines.append(json.dumps(res))
+            print(lines[-1], flush=True)
+            del paged, scratch
+            torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="lane-attention-sweep.jsonl")
     ap.add_argument("--new-vs-old", action="store_true", help="the module's settings against the thirteenth run's")
     ap.add_argument("--merge", action="store_true", help="one-pass merge against two-pass, on the sweep's cases")
+    ap.add_argument("--ancestors", metavar="FILE", help="deep lane windows: the module's kernel against FILE's")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_attention_sweep.py needs a CUDA GPU")
-    if args.new_vs_old:
+    if args.ancestors:
+        lines = ancestors_sweep(args.ancestors)
+    elif args.new_vs_old:
         lines = sweep(NEW_VS_OLD, settings_new_vs_old)
     else:
         lines = sweep(CASES, settings_merge if args.merge else settings_swept)

@@ -12,8 +12,9 @@ softmax), ``_lane_kernel`` runs one program per (lane, KV head, piece):
   context, so one program per (lane, head) left most of the GPU idle and grew linearly with the
   context (H200, Ouro-1.4B shape, 4 lanes: 10.4 us per layer at 128 positions, 81 us at 1,024;
   split: 9.7 and 25 us; benchmarks/RESULTS.md, twelfth run);
-* piece ``PIECES`` stores the lane's own new K/V into its pool slot and attends to its ancestors
-  (oldest first) and itself from the lane pool;
+* piece ``PIECES`` stores the lane's own new K/V into its pool slot and attends to itself and to
+  its ancestors from the lane pool, ``BLOCK_N`` ancestors at a time (an R=32 lane cap lists up to
+  63; all at once, one warp spilled: 111 against 79 us at 28 Huginn-0125 lanes, twentieth run);
 * each leaves its running max, sum and weighted values; the last of a (lane, head)'s programs to
   arrive (an atomic counter) folds them into the output ("one-pass"), or ``_merge_kernel`` does
   ("two-pass", as every call did before 2026-12-03): one-pass for a few (lane, head) pairs, where
@@ -165,18 +166,25 @@ def _lane_kernel(
             v_own = tl.load(vn_ptr + row * svn0 + head * svn1 + d, mask=dmask, other=0.0).to(pool_ty)
             tl.store(own, k_own, mask=dmask)
             tl.store(own + sp2, v_own, mask=dmask)
-            # its ancestors (oldest first) from the pool, then itself (always there: a finite max)
+            # itself first (always there: the running max is finite before any piece is folded in) ...
+            m, l, acc = _online_softmax_step(q, k_own.to(tl.float32)[None, :], v_own.to(tl.float32)[None, :],
+                                             tl.arange(0, 1) < 1, m, l, acc, scale)
+            # ... then its ancestors (oldest first, -1 padded) from the pool, BLOCK_N at a time up to the last
+            # one: a deep pipeline has up to R - 1 of them, and a whole [A, D] block at once made one
+            # warp's registers spill (Huginn's 63-wide ancestor rows)
             a = tl.arange(0, BLOCK_A)
-            slot = tl.load(anc_ptr + row * sa0 + a * sa1, mask=a < A, other=-1)
-            ancestor = (slot >= 0) & (a < A)
-            base = pool_ptr + bank * sp0 + tl.maximum(slot, 0).to(tl.int64)[:, None] * sp1 + head * sp3 + d[None, :]
-            w_mask = ancestor[:, None] & dmask[None, :]
-            is_self = a == A
-            k = tl.where(is_self[:, None], k_own.to(tl.float32)[None, :],
-                         tl.load(base, mask=w_mask, other=0.0).to(tl.float32))
-            v = tl.where(is_self[:, None], v_own.to(tl.float32)[None, :],
-                         tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32))
-            m, l, acc = _online_softmax_step(q, k, v, ancestor | is_self, m, l, acc, scale)
+            listed = tl.load(anc_ptr + row * sa0 + a * sa1, mask=a < A, other=-1)
+            last = tl.max(tl.where(listed >= 0, a + 1, 0), axis=0)
+            for w in range(0, last, BLOCK_N):  # (not `first`: the prefix loop's, an int64 there)
+                j = w + tl.arange(0, BLOCK_N)
+                slot = tl.load(anc_ptr + row * sa0 + j * sa1, mask=j < last, other=-1)
+                ancestor = slot >= 0
+                base = (pool_ptr + bank * sp0 + tl.maximum(slot, 0).to(tl.int64)[:, None] * sp1 + head * sp3
+                        + d[None, :])
+                w_mask = ancestor[:, None] & dmask[None, :]
+                k = tl.load(base, mask=w_mask, other=0.0).to(tl.float32)
+                v = tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32)
+                m, l, acc = _online_softmax_step(q, k, v, ancestor, m, l, acc, scale)
         _store_partial(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, row, qh, piece, d, rmask, dmask, m, l, acc)
         if ONE_PASS:
             # Split-K's "last one merges": every thread's partial is stored before the barrier, the

@@ -43,9 +43,11 @@ def lane_attention_case(layout: str, device: str, dtype=torch.float32, seed: int
                         torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g))
     scratch = LaneScratch(S, 8, H, D, 4, dtype, "cpu")
     scratch.kv.copy_(torch.randn(scratch.kv.shape, generator=g))
-    # rows: request, own slot, bank, ancestors; the last row is padding (pad slot, no prefix)
-    spec = [(0, 1, 2, [6, 2]), (1, 3, 0, []), (0, 5, 1, [4]), (None, scratch.pad_slot, 0, [])]
-    width = 3
+    # rows: request, own slot, bank, ancestors; the last row is padding (pad slot, no prefix). Row 0 has
+    # a deep ancestry (as at R=32): more than the kernel's BLOCK_N at a time, with a hole in it
+    deep = [6, 2, 4, 0, 7] * 3 + [6, 2, -1, 4, 0]
+    spec = [(0, 1, 2, deep), (1, 3, 0, []), (0, 5, 1, [4]), (None, scratch.pad_slot, 0, [])]
+    width = len(deep) + 1
     rows = LaneRows(
         slots=torch.tensor([s for _, s, _, _ in spec]),
         prefix=torch.tensor([prefix[r] if r is not None else 0 for r, *_ in spec]),
