@@ -55,12 +55,21 @@ NEW_VS_OLD = [("ouro-1.4b", 1, 4, 64), ("ouro-1.4b", 1, 4, 352), ("ouro-1.4b", 1
               ("huginn-0125", 1, 16, 352)]
 
 
+def checked_us(call, want: torch.Tensor, what: str) -> float:
+    """Microseconds per ``call()`` (CUDA graphs), after checking its output against ``want`` (bf16:
+    max abs error <= 2e-2)."""
+    from triton.testing import do_bench_cudagraph
+
+    err = (call().float() - want).abs().max().item()
+    if err > 2e-2:
+        raise AssertionError(f"{what}: max abs error {err:.3g}")
+    return round(do_bench_cudagraph(call) * 1e3, 2)
+
+
 def sweep(cases, settings) -> list[str]:
     """Each case at each table width: every setting of ``settings(case, width, paged)`` (name ->
     (``lane_attention`` arguments, (prefix warps, merge warps) or None for the module's)) checked
     against the PyTorch lane attention, then timed; one JSON line per case and width."""
-    from triton.testing import do_bench_cudagraph
-
     import vllm_loop_kernels.lane_attention as la
     from vllm_loop.loopspec.lane_kv import LaneAttention
 
@@ -83,10 +92,7 @@ def sweep(cases, settings) -> list[str]:
             res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * BLOCK}
             for name, (kw, w) in settings(case, width, paged).items():
                 la.LANE_WARPS, la.MERGE_WARPS = w or warps
-                err = (call(**kw)().float() - want).abs().max().item()
-                if err > 2e-2:
-                    raise AssertionError(f"{res} {name}: max abs error {err:.3g}")
-                res[name] = round(do_bench_cudagraph(call(**kw)) * 1e3, 2)
+                res[name] = checked_us(call(**kw), want, f"{res} {name}")
             la.LANE_WARPS, la.MERGE_WARPS = warps
             lines.append(json.dumps(res))
             print(lines[-1], flush=True)
@@ -118,8 +124,6 @@ def settings_merge(case, width, paged) -> dict:
 def ancestors_sweep(baseline: str) -> list[str]:
     """The module's kernel and ``baseline``'s on lanes with deep ancestor lists (``--ancestors``)."""
     import importlib.util
-
-    from triton.testing import do_bench_cudagraph
 
     import vllm_loop_kernels.lane_attention as la
     from vllm_loop.loopspec.lane_kv import LaneAttention
@@ -157,10 +161,7 @@ def ancestors_sweep(baseline: str) -> list[str]:
                 def call(mod=mod):
                     return mod.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, ids, banks, rows.prefix,
                                               rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale)
-                err = (call().float() - want).abs().max().item()
-                if err > 2e-2:
-                    raise AssertionError(f"{res} {name}: max abs error {err:.3g}")
-                res[f"{name}_us"] = round(do_bench_cudagraph(call) * 1e3, 2)
+                res[f"{name}_us"] = checked_us(call, want, f"{res} {name}")
                 la.LANE_WARPS, la.BLOCK_N = kept
             lines.append(json.dumps(res))
             print(lines[-1], flush=True)
