@@ -66,6 +66,13 @@ def checked_us(call, want: torch.Tensor, what: str) -> float:
     return round(do_bench_cudagraph(call) * 1e3, 2)
 
 
+def emit(lines: list[str], res: dict) -> None:
+    """One case's JSON line, kept and printed; the case's tensors (deleted by the caller) freed."""
+    lines.append(json.dumps(res))
+    print(lines[-1], flush=True)
+    torch.cuda.empty_cache()
+
+
 def sweep(cases, settings) -> list[str]:
     """Each case at each table width: every setting of ``settings(case, width, paged)`` (name ->
     (``lane_attention`` arguments, (prefix warps, merge warps) or None for the module's)) checked
@@ -94,10 +101,8 @@ def sweep(cases, settings) -> list[str]:
                 la.LANE_WARPS, la.MERGE_WARPS = w or warps
                 res[name] = checked_us(call(**kw), want, f"{res} {name}")
             la.LANE_WARPS, la.MERGE_WARPS = warps
-            lines.append(json.dumps(res))
-            print(lines[-1], flush=True)
             del paged, scratch
-            torch.cuda.empty_cache()
+            emit(lines, res)
     return lines
 
 
@@ -163,10 +168,8 @@ def ancestors_sweep(baseline: str) -> list[str]:
                                               rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale)
                 res[f"{name}_us"] = checked_us(call, want, f"{res} {name}")
                 la.LANE_WARPS, la.BLOCK_N = kept
-            lines.append(json.dumps(res))
-            print(lines[-1], flush=True)
             del paged, scratch
-            torch.cuda.empty_cache()
+            emit(lines, res)
     return lines
 
 
