@@ -23,13 +23,18 @@ merges) against the two-pass one (a second kernel merges), on every case of the 
     python benchmarks/lane_attention_sweep.py --merge --out benchmarks/results/lane-attention-merge-h200.jsonl
 
 ``--ancestors FILE``: deep lane windows -- Huginn-0125 lanes with ancestor lists as wide as an R=32
-pipeline's lane cap (63) and up to 3 / 31 / 63 ancestors each -- timed with the module's kernel, with
-the kernel in FILE (an earlier copy of ``kernels/lane_attention.py``), and with the module's kernel at
-1 / 2 / 4 warps per program and 16 / 32 / 64 positions a step (``module_w{warps}n{positions}``), same
-inputs:
+pipeline's lane cap (63) and up to 3 / 31 / 63 ancestors each -- timed with the module's kernel and
+with the kernel in FILE (an earlier copy of ``kernels/lane_attention.py``), same inputs:
 
     git show 7432c9e:kernels/lane_attention.py > /tmp/old.py
     python benchmarks/lane_attention_sweep.py --ancestors /tmp/old.py --out lane-attention-ancestors.jsonl
+
+``--blocks``: the lane kernel at 1 / 2 / 4 warps per program, 16 / 32 / 64 positions a step
+(``BLOCK_N``) and the module's split or 64 / 128 positions a program (``w{warps}n{positions}s{split}``),
+on the engine's lane counts at one and four requests: Huginn-0125 (1:5, ~28 lanes a request, up to 31
+ancestors each) and Ouro-1.4B (1:2, ~4):
+
+    python benchmarks/lane_attention_sweep.py --blocks --out lane-attention-blocks.jsonl
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ CASES = [("ouro-1.4b", 1, 4, p) for p in (64, 128, 352, 1024)] + [("ouro-1.4b", 
         [("ouro-1.4b", r, 4, 352) for r in (4, 16, 64)] + [("ouro-1.4b", 64, 4, 1024)] + \
         [("huginn-0125", r, 16, 352) for r in (1, 4)]
 
+
+# (shape, requests, lanes a request, committed positions, ancestors up to)
+BLOCKS = [("huginn-0125", 1, 28, 352, 31), ("huginn-0125", 4, 28, 352, 31), ("huginn-0125", 1, 28, 1024, 31),
+          ("ouro-1.4b", 1, 4, 352, 3), ("ouro-1.4b", 4, 4, 352, 3), ("ouro-1.4b", 16, 4, 352, 3)]
 
 NEW_VS_OLD = [("ouro-1.4b", 1, 4, 64), ("ouro-1.4b", 1, 4, 352), ("ouro-1.4b", 1, 4, 1024), ("ouro-1.4b", 4, 4, 352),
               ("ouro-1.4b", 64, 4, 352), ("ouro-1.4b", 1, 4, 3000), ("ouro-1.4b", 16, 4, 3000),
@@ -73,21 +82,22 @@ def emit(lines: list[str], res: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def sweep(cases, settings) -> list[str]:
-    """Each case at each table width: every setting of ``settings(case, width, paged)`` (name ->
-    (``lane_attention`` arguments, (prefix warps, merge warps) or None for the module's)) checked
-    against the PyTorch lane attention, then timed; one JSON line per case and width."""
+def sweep(cases, settings, widths=(64, 512)) -> list[str]:
+    """Each case (shape, requests, lanes a request, prefix[, ancestors up to: 3]) at each table width:
+    every setting of ``settings(case, width, paged)`` (name -> (``lane_attention`` arguments, the
+    module's constants to override, or None)) checked against the PyTorch lane attention, then timed;
+    one JSON line per case and width."""
     import vllm_loop_kernels.lane_attention as la
     from vllm_loop.loopspec.lane_kv import LaneAttention
 
-    warps = (la.LANE_WARPS, la.MERGE_WARPS)
     lines = []
     for case in cases:
-        shape, requests, lanes, prefix = case
-        for width in (64, 512):
+        shape, requests, lanes, prefix = case[:4]
+        window = case[4] if len(case) > 4 else 3
+        for width in widths:
             if prefix > width * BLOCK:
                 continue
-            paged, scratch, rows, banks, q, k, v = make_case(shape, requests, lanes, prefix, 3, width=width)
+            paged, scratch, rows, banks, q, k, v = make_case(shape, requests, lanes, prefix, window, width=width)
             scale = q.shape[-1] ** -0.5
             ids = torch.arange(paged.num_banks, device=q.device)
             want = LaneAttention(paged, scratch, rows)(ids, banks, q, k, v, scale).float()
@@ -96,11 +106,17 @@ def sweep(cases, settings) -> list[str]:
                 return lambda: la.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, ids, banks, rows.prefix,
                                                  rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale, **kw)
 
-            res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * BLOCK}
-            for name, (kw, w) in settings(case, width, paged).items():
-                la.LANE_WARPS, la.MERGE_WARPS = w or warps
-                res[name] = checked_us(call(**kw), want, f"{res} {name}")
-            la.LANE_WARPS, la.MERGE_WARPS = warps
+            res = {"shape": shape, "lanes": requests * lanes, "prefix": prefix, "table_tokens": width * BLOCK,
+                   "ancestors_up_to": window}
+            for name, (kw, overrides) in settings(case, width, paged).items():
+                kept = {a: getattr(la, a) for a in overrides or {}}
+                for a, value in (overrides or {}).items():
+                    setattr(la, a, value)
+                try:
+                    res[name] = checked_us(call(**kw), want, f"{res} {name}")
+                finally:
+                    for a, value in kept.items():
+                        setattr(la, a, value)
             del paged, scratch
             emit(lines, res)
     return lines
@@ -110,7 +126,7 @@ def settings_swept(case, width, paged) -> dict:
     out = {"default": ({}, None)} | {f"P{p}s{s}": ({"pieces": p, "split": s}, None) for p in (4, 8, 16, 32)
                                      for s in (16, 32)}
     if width == 64:
-        out |= {f"w{pw}m{mw}": ({}, (pw, mw)) for pw in (1, 2, 4) for mw in (1, 4)}
+        out |= {f"w{pw}m{mw}": ({}, {"LANE_WARPS": pw, "MERGE_WARPS": mw}) for pw in (1, 2, 4) for mw in (1, 4)}
     return out
 
 
@@ -119,11 +135,21 @@ def settings_new_vs_old(case, width, paged) -> dict:
     from vllm_loop_kernels.lane_attention import default_split
 
     split = default_split(case[1] * case[2], paged.num_heads)
-    return {"new": ({}, None), "old": ({"pieces": -(-width * BLOCK // split), "merge": "two-pass"}, (4, 4))}
+    return {"new": ({}, None),
+            "old": ({"pieces": -(-width * BLOCK // split), "merge": "two-pass"}, {"LANE_WARPS": 4, "MERGE_WARPS": 4})}
 
 
 def settings_merge(case, width, paged) -> dict:
     return {"one-pass": ({"merge": "one-pass"}, None), "two-pass": ({"merge": "two-pass"}, None)}
+
+
+def settings_blocks(case, width, paged) -> dict:
+    """Warps per program x positions a step x positions a program (a multiple of the step)."""
+    from vllm_loop_kernels.lane_attention import default_split
+
+    own = default_split(case[1] * case[2], paged.num_heads)
+    return {f"w{w}n{n}s{s}": ({"split": s}, {"LANE_WARPS": w, "BLOCK_N": n})
+            for w in (1, 2, 4) for n in (16, 32, 64) for s in sorted({own, 64, 128}) if s % n == 0}
 
 
 def ancestors_sweep(baseline: str) -> list[str]:
@@ -155,19 +181,11 @@ def ancestors_sweep(baseline: str) -> list[str]:
             want = LaneAttention(paged, scratch, rows)(ids, banks, q, k, v, scale).float()
             res = {"shape": "huginn-0125", "lanes": lanes, "prefix": 352, "ancestor_width": 63,
                    "ancestors_up_to": deepest}
-            # the module's kernel at its settings, then at other warps per program / positions per step
-            variants = [("module", la, None), ("baseline", old, None)] + \
-                [(f"module_w{w}n{b}", la, (w, b)) for w in (1, 2, 4) for b in (16, 32, 64) if (w, b) != (1, 16)]
-            kept = (la.LANE_WARPS, la.BLOCK_N)
-            for name, mod, setting in variants:
-                if setting is not None:
-                    la.LANE_WARPS, la.BLOCK_N = setting
-
+            for name, mod in (("module", la), ("baseline", old)):
                 def call(mod=mod):
                     return mod.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, ids, banks, rows.prefix,
                                               rows.slots, rows.block_rows, rows.ancestors, scratch.kv, scale)
                 res[f"{name}_us"] = checked_us(call, want, f"{res} {name}")
-                la.LANE_WARPS, la.BLOCK_N = kept
             del paged, scratch
             emit(lines, res)
     return lines
@@ -179,11 +197,14 @@ def main() -> None:
     ap.add_argument("--new-vs-old", action="store_true", help="the module's settings against the thirteenth run's")
     ap.add_argument("--merge", action="store_true", help="one-pass merge against two-pass, on the sweep's cases")
     ap.add_argument("--ancestors", metavar="FILE", help="deep lane windows: the module's kernel against FILE's")
+    ap.add_argument("--blocks", action="store_true", help="warps x positions a step x a program, engine lane counts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_attention_sweep.py needs a CUDA GPU")
     if args.ancestors:
         lines = ancestors_sweep(args.ancestors)
+    elif args.blocks:
+        lines = sweep(BLOCKS, settings_blocks, widths=(64,))
     elif args.new_vs_old:
         lines = sweep(NEW_VS_OLD, settings_new_vs_old)
     else:

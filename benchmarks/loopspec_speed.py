@@ -37,6 +37,8 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
 * ``loopspec-tuned`` -- ``loopspec`` with the schedule the tuner recommends for this checkpoint:
   ``--tuned FILE`` is the JSON of ``python -m vllm_loop.tune CHECKPOINT ... --json FILE`` (its
   ``best`` d1 / d2 replace the spec's);
+* ``loopspec-tuned-late`` -- ``loopspec-tuned`` with greedy late re-proposals at the depths of
+  ``--late`` (``"late": [...]``, ``vllm_loop/loopspec/schedule.py``);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
@@ -92,7 +94,7 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
            "loopspec-serial", "loopspec-auto-serial", "loopspec-pad", "loopspec-auto-pad", "loopspec-auto-pad32",
            "loopspec-chain", "loopspec-auto-chain", "loopspec-auto-fused",
            "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused", "loopspec-triton-fused",
-           "loopspec-tuned", "in-tree")
+           "loopspec-tuned", "loopspec-tuned-late", "in-tree")
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -151,9 +153,13 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["step_tokens"] = 0
     elif "-pad" in system:  # -pad: 16, -pad32: 32
         kw["speculative_config"]["step_tokens"] = int(system.split("-pad")[1] or 16)
-    if system == "loopspec-tuned":  # the tuner's depths replace the spec's (no d2: single proposal)
+    if system.startswith("loopspec-tuned"):  # the tuner's depths replace the spec's (no d2: single proposal)
         kw["speculative_config"] = {k: v for k, v in kw["speculative_config"].items() if k not in ("d1", "d2")} | \
             tuned_depths(args.tuned)
+    if system.endswith("-late"):
+        if not args.late:
+            raise SystemExit(f"{system} needs --late DEPTH ...")
+        kw["speculative_config"]["late"] = args.late
     if system == "loopspec-nographs":
         kw["speculative_config"]["lane_graphs"] = "off"
     if system in ("loopspec-triton", "loopspec-triton-fused"):
@@ -343,6 +349,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
     ap.add_argument("--tuned", default=None,
                     help="the tuner's JSON for loopspec-tuned (python -m vllm_loop.tune CHECKPOINT ... --json FILE)")
+    ap.add_argument("--late", type=int, nargs="*", default=[],
+                    help="late re-proposal depths of the *-late systems (e.g. --late 8 12 16 20)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -371,7 +379,7 @@ def main() -> int:
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
                "--eager", args.eager, "--prompts", args.prompts, "--temperature", str(args.temperature),
                "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)] + \
-              (["--tuned", args.tuned] if args.tuned else [])
+              (["--tuned", args.tuned] if args.tuned else []) + (["--late", *map(str, args.late)] if args.late else [])
         # the engine's log goes to a file beside --out as it runs: a run cut short still shows how far it got
         log = Path(args.out).with_suffix(f".{system}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -408,7 +416,8 @@ def main() -> int:
             if "loopspec" in r:
                 ls, n = r["loopspec"], r["loopspec"]["counters"]
                 row |= {"gamma": round(ls["gamma"], 3), "first": round(ls["shares"]["first"], 3),
-                        "second": round(ls["shares"]["second"], 3), "full": round(ls["shares"]["full"], 3),
+                        "second": round(ls["shares"]["second"], 3), "late": round(ls["shares"]["late"], 3),
+                        "full": round(ls["shares"]["full"], 3),
                         "lanes_per_step": round(ls["lanes_per_step"], 2),
                         # per long run: where a LoopSpec engine's steps went
                         "lane_steps": n["lane_steps"] / args.runs, "plain_steps": n["plain_steps"] / args.runs,
@@ -422,7 +431,7 @@ def main() -> int:
             r.pop("tokens")
     out = {"shape": args.shape, "checkpoint": args.checkpoint, "prompts": args.prompts,
            "agreement": float(args.agreement), "spec": json.loads(args.spec),
-           "tuned": tuned_depths(args.tuned) if args.tuned else None,
+           "tuned": tuned_depths(args.tuned) if args.tuned else None, "late": args.late,
            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
            "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
            "systems": results, "failed": failed}
@@ -432,7 +441,8 @@ def main() -> int:
     if args.profile:
         cmd = [sys.executable, __file__, "--worker", "profile", "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager,
-               "--profile-system", args.profile_system] + (["--tuned", args.tuned] if args.tuned else [])
+               "--profile-system", args.profile_system] + (["--tuned", args.tuned] if args.tuned else []) + \
+              (["--late", *map(str, args.late)] if args.late else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         Path(args.out).with_suffix(".profile.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:

@@ -173,13 +173,18 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
     # tiny checkpoint whose depths disagree often enough that every kind of commit happens
     "huginn-R32-1:5": ("huginn_raven", {"layout": "huginn", "state_init": "seeded", "agreement": "0.5"},
                        {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5}),
+    # with greedy late re-proposals (schedule.py): the same checkpoint's many full rejections give them work
+    "huginn-R32-1:5-late": ("huginn_raven", {"layout": "huginn", "state_init": "seeded", "agreement": "0.5"},
+                            {"mean_recurrence": 32},
+                            {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5, "late": [8, 16]}),
 }
 # (checkpoint, lane_graphs, lane_attention, lane_overlap)
 LANE_GRAPHS = [("ouro-1:2", "auto", "torch", "auto"), ("ouro-agree-1:2", "auto", "torch", "auto"),
                ("ouro-agree-1:2", "off", "torch", "auto"), ("raven-olmo2-R32-2:8", "auto", "torch", "auto"),
                ("raven-olmo2-R32-2:8", "off", "torch", "auto"), ("ouro-agree-1:2", "auto", "triton", "auto"),
                ("raven-olmo2-R32-2:8", "auto", "triton", "auto"), ("ouro-agree-1:2", "auto", "triton", "off"),
-               ("ouro-agree-1:2-chain", "auto", "triton", "auto"), ("huginn-R32-1:5", "auto", "triton", "auto")]
+               ("ouro-agree-1:2-chain", "auto", "triton", "auto"), ("huginn-R32-1:5", "auto", "triton", "auto"),
+               ("huginn-R32-1:5-late", "auto", "triton", "auto")]
 
 
 def _captured_lane_graphs(worker) -> int:
@@ -220,6 +225,7 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     assert totals.lane_steps > 0 and totals.standard_steps > 0
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
     assert (captured > 0) if graphs == "auto" else (captured == -1), captured
+    assert (totals.late > 0) if spec.get("late") else (totals.late_verified == 0), totals
     overlapped = totals.overlap_wasted + totals.overlap_lagged
     assert (overlapped > 0) if overlap == "auto" else (overlapped == 0), totals
     print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured), lane attention {attention}, overlap "

@@ -8,6 +8,7 @@ and the rule.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ def test_family_defaults(family, R, expected):
 def test_flag_is_what_vllm_serve_takes():
     assert flag(2, 8) == """--speculative-config '{"method": "loopspec", "d1": 2, "d2": 8}'"""
     assert flag(1, None, gate=False) == """--speculative-config '{"method": "loopspec", "d1": 1, "gate": false}'"""
+    assert flag(1, 5, late=(8, 16)) == """--speculative-config '{"method": "loopspec", "d1": 1, "d2": 5, "late": [8, 16]}'"""
 
 
 def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
@@ -46,7 +48,7 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     spec = cfg.speculative_config
     assert spec.method == "custom_class" and spec.model == "vllm_loop.loopspec.runner.LoopSpecRunner"
     assert spec.num_speculative_tokens == 16  # max(ceil(R / d1), step_tokens 16)
-    assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "max_lanes": 7,
+    assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "late": [], "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
                                                   "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
                                                   "async": "auto"}
@@ -58,7 +60,7 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"})
     cfg = _config(path, {"method": "loopspec", "d1": 2, "d2": 8, "gate": False},
                   hf_overrides={"mean_recurrence": 32})
-    assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "max_lanes": 64,
+    assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "late": [], "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
                                                   "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
                                                   "async": "auto"}
@@ -73,7 +75,7 @@ def test_step_tokens_sets_the_drafts_a_step_schedules(ckpt_factory):
 
 
 BAD = [
-    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, max_lanes, "
+    ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, late, max_lanes, "
                                          "lanes, lane_graphs, lane_attention, lane_overlap, step_tokens"),
     ({"method": "loopspec", "d1": 2, "d2": 2}, "d2=2 is invalid: d1 must be < d2"),
     ({"method": "loopspec", "d1": 2, "d2": 3}, "d2=3 is invalid: d2 must be a multiple of d1"),
@@ -85,6 +87,12 @@ BAD = [
     ({"method": "loopspec", "d2": 2}, "d2 needs d1"),
     ({"method": "loopspec", "gate": "yes"}, "gate='yes' is invalid: gate must be true or false"),
     ({"method": "loopspec", "max_lanes": 0}, "max_lanes=0 is invalid: max_lanes must be >= 1"),
+    ({"method": "loopspec", "d1": 1, "d2": 2, "late": 3}, "late=3 is invalid: late must be a list of depths"),
+    ({"method": "loopspec", "d1": 1, "d2": 2, "late": [2]},
+     "late=[2] is invalid: each late depth must be > d2=2 and < R=4, in increasing order"),
+    ({"method": "loopspec", "d1": 1, "d2": 2, "late": [4]},
+     "late=[4] is invalid: each late depth must be > d2=2 and < R=4, in increasing order"),
+    ({"method": "loopspec", "d1": 1, "d2": 2, "late": ["3"]}, "late='3' is invalid: late must be an integer"),
     ({"method": "loopspec", "lanes": "off"}, "lanes='off' is invalid; allowed values: 'auto', 'on'"),
     ({"method": "loopspec", "lane_graphs": True}, "lane_graphs=True is invalid; allowed values: 'auto', 'on', 'off'"),
     ({"method": "loopspec", "lane_attention": "flash"},
@@ -99,7 +107,7 @@ BAD = [
 
 @pytest.mark.parametrize("spec, message", BAD, ids=[m.split(" is")[0].split(";")[0][:24] for _, m in BAD])
 def test_bad_config_names_the_key_and_the_rule(ckpt_factory, spec, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         _config(ckpt_factory("ouro"), spec)
 
 

@@ -98,6 +98,8 @@ GREEDY_CASES = {
     # a lane every recurrent step: prelude, core and coda rows in every lane call (the tuner's pick for
     # the Huginn-0125 shape at agreement 0.001, benchmarks/results/huginn-0125-tune.txt)
     "huginn-R32-1:5": ("huginn-R32", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5}, {}),
+    # greedy late re-proposals at depths 8 and 16 (schedule.py): their siblings, verified and committed
+    "huginn-R32-1:5-late": ("huginn-R32", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5, "late": [8, 16]}, {}),
     # lane calls padded to the CUDA-graph shapes (on the CPU run eagerly; captured on the GPU: test_gpu.py)
     "ouro-agree-1:2-padded": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
                                              "lane_graphs": "on"}, {}),
@@ -146,6 +148,11 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         # lane_attention "auto" without CUDA: the PyTorch lane attention (the kernel is CUDA's default)
         assert llm.collective_rpc(lambda w: w.model_runner.drafter.attention_mode)[0] == spec.get(
             "lane_attention", "torch")
+        # Raven: every depth maps to a coda bank set, the padding rows' depth 0 too (the Triton lane kernel
+        # looks bank_ids[depth] up unchecked; -1 read out of bounds on the H200)
+        coda = llm.collective_rpc(lambda w: getattr(getattr(w.model_runner.model, "transformer", None), "coda_index",
+                                                    None))[0]
+        assert (coda is None) == (CHECKPOINTS[name][0] == "ouro") and (coda is None or int(coda.min()) >= 0), coda
     finally:
         stop_llm(llm)
     ref = load_reference(path)
@@ -154,7 +161,7 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         want = ref.greedy_generate(job.prompt, job.params.max_tokens)
         assert got[job.request_id] == want, f"{case}: {job.request_id} != reference"
     # the lanes did the decoding, and requests joined while others were decoding
-    assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["full"] > 100
+    assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["late"] + totals["full"] > 100
     assert totals["standard_steps"] > 0, "no prefill joined running lane requests"
     # a request's first lane step after its prefill finds its lanes fresh (a warm-up row for the policy)
     assert totals["warmup_rows"] > 0
@@ -166,6 +173,7 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         assert totals["overlap_lagged"] > 0 and totals["overlap_wasted"] > 0, totals
     if spec.get("d2") and "agree" not in case:
         assert totals["second_verified"] > 0
+    assert (totals["late"] > 0) if spec.get("late") else (totals["late_verified"] == 0), totals
     if options.get("enable_prefix_caching", True):
         assert hits > 0, "the shared prefixes must hit the prefix cache"
 

@@ -124,6 +124,29 @@ def test_schedule_must_match_model_depth():
         PipelinedExecutor(ToyLoopedLM(depth=4), LoopSpecSchedule(4, 1, 2)).generate([])
 
 
+LATE_SCHEDULES = [(8, 1, 2, (4, 6)), (16, 2, 4, (8, 12)), (8, 1, None, (3, 5))]
+
+
+@pytest.mark.parametrize("R, d1, d2, late", LATE_SCHEDULES)
+def test_toy_greedy_late_reproposals(R, d1, d2, late):
+    """Late re-proposals: greedy output identical to full depth (and to the schedule without them),
+    late commits happen and take restarts away; sampled requests ignore them (same seeded tokens)."""
+    model = ToyLoopedLM(depth=R, decay=1.0, prelude=True, coda=True, seed=R + d1)
+    reqs = _requests(10)
+    plain = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2)).generate(reqs)
+    out = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2, late=late)).generate(reqs)
+    assert out.tokens == plain.tokens == [baseline_generate(model, r) for r in reqs]
+    s = out.stats
+    assert s.first + s.second + s.late + s.full == s.decoded
+    assert 0 < s.late <= s.late_proposals and s.full < plain.stats.full
+    assert s.late_depth_sum >= s.late * late[0] and 1.0 <= s.gamma <= R / d1
+    assert out.summary()["shares"]["late"] == pytest.approx(s.late / s.decoded)
+    sampled = [GenerationRequest(r.prompt, 10, sampling=SamplingParams(1.0), seed=i) for i, r in enumerate(reqs)]
+    a = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2)).generate(sampled)
+    b = PipelinedExecutor(model, LoopSpecSchedule(R, d1, d2, late=late)).generate(sampled)
+    assert a.tokens == b.tokens and b.stats.late_proposals == 0
+
+
 # -- real tiny checkpoints: greedy is token-identical ---------------------------------------------------------
 _BASELINES: dict = {}
 
@@ -181,6 +204,19 @@ def test_raven_greedy_identical(raven_models, kind, d1, d2):
         assert max(o.stats.lanes_per_step) <= LoopSpecSchedule(32, d1, d2).max_lanes
     if kind != "random":
         assert out.stats.gamma > 4
+
+
+@pytest.mark.parametrize("kind", ["agreement", "huginn-agreement"])
+def test_raven_greedy_late_reproposals_identical(raven_models, kind):
+    """R = 32, 2:8 with late re-proposals at 16 and 24: token-identical to full depth."""
+    model = raven_models[kind]
+    reqs = _requests(8)[:3]
+    key = ("raven", kind, len(reqs))
+    if key not in _BASELINES:
+        _BASELINES[key] = [baseline_generate(model, r) for r in reqs]
+    out = PipelinedExecutor(model, LoopSpecSchedule(32, 2, 8, late=(16, 24))).generate(reqs)
+    assert out.tokens == _BASELINES[key], out.summary()
+    assert out.stats.first + out.stats.second + out.stats.late + out.stats.full == out.stats.decoded
 
 
 @pytest.mark.parametrize("kind", ["random", "agreement"])

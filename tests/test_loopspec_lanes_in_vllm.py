@@ -399,7 +399,7 @@ def test_engine_counters_and_vllm_spec_stats():
                        first_verified=12, second_verified=5, gate_evaluations=10, gate_opens=5)
     s = c.summary(R=4)
     assert s["gamma"] == pytest.approx(4 * 12 / 20) and s["lanes_per_step"] == 4.0
-    assert s["shares"] == {"first": 8 / 12, "second": 2 / 12, "full": 2 / 12} and s["gate_open_rate"] == 0.5
+    assert s["shares"] == {"first": 8 / 12, "second": 2 / 12, "late": 0.0, "full": 2 / 12} and s["gate_open_rate"] == 0.5
     stats = loopspec_spec_stats(c, num_spec_tokens=4)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (12, 17, 10)
     assert stats.num_accepted_tokens_per_pos == [8, 2, 0, 0]

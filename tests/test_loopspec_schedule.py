@@ -27,6 +27,12 @@ from vllm_loop.loopspec.verify import CommitSource
         ({"R": 4, "d1": 1.5}, "d1 must be an integer"),
         ({"R": 4, "d1": True}, "d1 must be an integer"),
         ({"R": 4, "d1": 1, "gate": "yes"}, "gate must be true or false"),
+        ({"R": 32, "d1": 2, "d2": 8, "late": (8,)}, "each late depth must be > d2=8 and < R=32"),
+        ({"R": 32, "d1": 2, "d2": 8, "late": (16, 12)}, "in increasing order"),
+        ({"R": 32, "d1": 2, "d2": 8, "late": (16, 32)}, "< R=32"),
+        ({"R": 32, "d1": 2, "d2": 8, "late": (15,)}, "15 is not a multiple of d1=2"),
+        ({"R": 32, "d1": 2, "late": (1,)}, "each late depth must be > d1=2"),
+        ({"R": 32, "d1": 2, "d2": 8, "late": 16}, "late must be a list of depths"),
     ],
 )
 def test_bad_schedules_name_the_rule(kwargs, rule):
@@ -46,6 +52,13 @@ def test_good_schedules(R, d1, d2):
     assert s.readout_depths == ((d1, R) if d2 is None else (d1, d2, R))
     assert s.single == (d2 is None)
     assert s.intervals == -(-R // d1)  # ceil(R / d1)
+
+
+def test_late_depths_are_readouts_and_from_config():
+    s = LoopSpecSchedule.from_config({"method": "loopspec", "d1": 1, "d2": 5, "late": [8, 16]}, 32)
+    assert s.late == (8, 16) and s.readout_depths == (1, 5, 8, 16, 32)
+    assert "late=[8, 16]" in s.describe()
+    assert LoopSpecSchedule(8, 1, None, late=[3]).readout_depths == (1, 3, 8)  # a list is kept as a tuple
 
 
 # -- capacity -------------------------------------------------------------------------------------------------
@@ -169,6 +182,9 @@ def test_mean_accepted_length_eq9():
     assert mean_accepted_length(0, 0, 0, 4, 1, 2) == 0.0
     with pytest.raises(ValueError):
         mean_accepted_length(3, 2, 2, 4, 1, 2)
+    # late re-proposals cost the depths they were made at: 10 R / (7 d1 + 1 d2 + (12 + 16) + 0 R)
+    assert mean_accepted_length(10, 7, 1, 32, 2, 8, n_late=2, late_depth_sum=28) == pytest.approx(320 / (14 + 8 + 28))
+    assert commit_shares(10, 7, 1, 2) == {"first": 0.7, "second": 0.1, "late": 0.2, "full": 0.0}
 
 
 def test_stats_record_and_merge():
@@ -180,7 +196,7 @@ def test_stats_record_and_merge():
     b.record_commit(CommitSource.FIRST, had_second=False)
     m = a.merge(b)
     assert (m.decoded, m.first, m.second, m.full, m.first_rejected_with_second) == (4, 2, 1, 1, 2)
-    assert m.shares == commit_shares(4, 2, 1) == {"first": 0.5, "second": 0.25, "full": 0.25}
+    assert m.shares == commit_shares(4, 2, 1) == {"first": 0.5, "second": 0.25, "late": 0.0, "full": 0.25}
     assert m.gamma == pytest.approx(16 / (2 + 2 + 4))
     assert a.gate_open_frequency == 0.25
     assert m.double_rejection_rate == 0.25

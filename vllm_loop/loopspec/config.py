@@ -16,7 +16,9 @@ plugin translates a loopspec config before vLLM sees it (``vllm_patches.install_
   "auto").
 
 Knobs: ``d1`` (first-proposal depth), ``d2`` (second-proposal depth; omitted: single-proposal
-mode), ``gate`` (the paper's gate on the second proposal, default true), ``max_lanes`` (cap on
+mode), ``gate`` (the paper's gate on the second proposal, default true), ``late`` (a list of
+depths between d2 and R, multiples of d1, default none: greedy requests re-propose the argmax there
+when it is new, see ``schedule.py``), ``max_lanes`` (cap on
 one request's live lanes; default: the schedule's bound, at most 64), ``lanes`` (``"auto"``, the
 default: each decode step runs lanes or plain decoding, whichever has measured faster at that batch
 size, see ``policy.py``; ``"on"``: always lanes), ``lane_graphs`` (``"auto"``, the default: lane calls
@@ -52,7 +54,7 @@ STEP_TOKENS = 16
 MAX_STEP_TOKENS = 256
 
 METHOD = "loopspec"
-KEYS = ("method", "d1", "d2", "gate", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap",
+KEYS = ("method", "d1", "d2", "gate", "late", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap",
         "step_tokens")
 LANE_GRAPHS = ("auto", "on", "off")
 LANE_OVERLAP = ("auto", "off")
@@ -120,8 +122,12 @@ def build_schedule(config: dict, family: str, R: int) -> tuple[LoopSpecSchedule,
     gate = config.get("gate", True)
     if not isinstance(gate, bool):
         raise ValueError(f"speculative_config (loopspec): gate={gate!r} is invalid: gate must be true or false")
+    late = config.get("late", [])
+    if not isinstance(late, (list, tuple)):
+        raise ValueError(f"speculative_config (loopspec): late={late!r} is invalid: late must be a list of depths "
+                         f"(integers between d2 and R={R}, multiples of d1), e.g. [8, 16]")
     try:
-        schedule = LoopSpecSchedule(R, d1, d2, gate)
+        schedule = LoopSpecSchedule(R, d1, d2, gate, tuple(late))
     except ValueError as e:
         raise ValueError(f"speculative_config (loopspec), model loop count R={R}: {e}") from None
     cap = _field(config, "max_lanes")
@@ -162,7 +168,8 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     if not 0 <= step_tokens <= MAX_STEP_TOKENS:
         raise ValueError(f"speculative_config (loopspec): step_tokens={step_tokens} is invalid: allowed 0 (the lane "
                          f"chain alone) to {MAX_STEP_TOKENS}")
-    knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "max_lanes": max_lanes,
+    knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "late": list(schedule.late),
+             "max_lanes": max_lanes,
              "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap,
              "step_tokens": step_tokens}
     spec = {"method": "custom_class", "model": RUNNER,
@@ -180,7 +187,7 @@ def knobs(vllm_config) -> dict | None:
 
 def schedule_of(vllm_config) -> LoopSpecSchedule | None:
     k = knobs(vllm_config)
-    return None if k is None else LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"])
+    return None if k is None else LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"], tuple(k.get("late", ())))
 
 
 def readout_depths(vllm_config) -> tuple[int, ...]:
@@ -189,9 +196,10 @@ def readout_depths(vllm_config) -> tuple[int, ...]:
     return () if s is None else s.readout_depths
 
 
-def flag(d1: int, d2: int | None, gate: bool = True) -> str:
+def flag(d1: int, d2: int | None, gate: bool = True, late=()) -> str:
     """The ``vllm serve`` flag for a schedule (printed by the tuner)."""
     import json
 
-    cfg = {"method": METHOD, "d1": d1} | ({} if d2 is None else {"d2": d2}) | ({} if gate else {"gate": False})
+    cfg = {"method": METHOD, "d1": d1} | ({} if d2 is None else {"d2": d2}) | ({} if gate else {"gate": False}) \
+        | ({"late": list(late)} if late else {})
     return f"--speculative-config '{json.dumps(cfg)}'"

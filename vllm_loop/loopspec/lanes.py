@@ -3,7 +3,8 @@
 A *lane* pushes one token at one position through the recurrence: it starts at depth 0 (after the
 pre-layers) and gains one depth per recurrent step. At depth d1 it proposes the next token and
 spawns a child lane for it; at depth d2 it may spawn a second child (an alternative for the same
-next position); at depth R it is verified and its position is committed.
+next position), and under greedy decoding one more at each late depth whose argmax is new; at depth
+R it is verified and its position is committed.
 
 The tree holds the uncommitted lanes of one request. Its *root* is the oldest lane, the only one
 that can reach depth R; every other lane descends from it. On commit the root leaves the tree,
@@ -29,6 +30,7 @@ class Proposed(NamedTuple):
     token: int
     dist: Any  # the (filtered) distribution it was drawn from; None under greedy
     child: Lane
+    depth: int = 0  # the depth at which the parent made it
 
 
 @dataclass(eq=False)
@@ -43,6 +45,7 @@ class Lane:
     first: Proposed | None = None  # made at depth d1
     second: Proposed | None = None  # made at depth d2 when the gate opened
     q2_tilde: Any = None  # the d2 readout (for metrics / exact analysis), kept even if the gate closed
+    late: list[Proposed] = field(default_factory=list)  # greedy re-proposals made at the late depths
     state: Any = None  # executor payload (hidden state)
     kv: dict = field(default_factory=dict)  # executor payload: this lane's own KV per bank
     slot: int | None = None  # engine payload: the storage slot of its hidden state and KV
@@ -106,14 +109,15 @@ class BranchTree:
         """A child lane at depth 0 for the token ``parent`` proposed at the next position."""
         if not parent.alive:
             raise RuntimeError(f"cannot spawn from pruned {parent}")
-        if origin not in (CommitSource.FIRST, CommitSource.SECOND):
-            raise ValueError(f"origin must be FIRST or SECOND, got {origin}")
+        if origin not in (CommitSource.FIRST, CommitSource.SECOND, CommitSource.LATE):
+            raise ValueError(f"origin must be FIRST, SECOND or LATE, got {origin}")
         return self._new(token, parent.position + 1, origin, parent)
 
-    def commit(self, source: CommitSource) -> tuple[Lane, Lane | None]:
-        """The root is verified: remove it; keep the child of the accepted proposal (if any) with
-        its descendants as the new tree, prune every other lane. Returns (committed root, new root
-        or None). With ``None`` the caller restarts the tree with ``start()``."""
+    def commit(self, source: CommitSource, token: int | None = None) -> tuple[Lane, Lane | None]:
+        """The root is verified: remove it; keep the child of the accepted proposal (if any; a late
+        one is the one for ``token``) with its descendants as the new tree, prune every other lane.
+        Returns (committed root, new root or None). With ``None`` the caller restarts the tree with
+        ``start()``."""
         root = self.root
         if root is None:
             raise RuntimeError("commit() on an empty tree")
@@ -122,6 +126,8 @@ class BranchTree:
             keep = root.first.child
         elif source == CommitSource.SECOND and root.second is not None:
             keep = root.second.child
+        elif source == CommitSource.LATE:
+            keep = next((p.child for p in root.late if p.token == token), None)
         kept = set(map(id, self.descendants(keep))) if keep is not None else set()
         for lane in self._lanes:
             if id(lane) not in kept:

@@ -3,8 +3,10 @@
 * Mean accepted length (eq. 9): ``gamma = N R / (N1 d1 + N2 d2 + (N - N1 - N2) R)``, N the tokens
   committed by the pipeline, N1 / N2 those accepted from the first / second proposal. It counts
   recurrent steps: an accepted first proposal leaves d1 steps to the next commit, a second one d2,
-  a restart R. gamma <= R/d1.
-* Commit shares (Section E): N1/N, N2/N, (N - N1 - N2)/N.
+  a restart R. gamma <= R/d1. A late re-proposal (greedy, ours) accepted costs the depth it was made
+  at: ``N_late`` commits add their depths' sum to the denominator.
+* Commit shares (Section E): N1/N, N2/N, (N - N1 - N2)/N; with late re-proposals also N_late/N
+  (taken out of the full share).
 * Gate-open frequency (Section D, Table 6): gate openings / gate evaluations (evaluations at d2).
 * Effective batch size (Section D, Figure 5): lanes advanced per recurrent step; mean and peak.
 * Double-rejection rate (Theorem 1): restarts / N, compared with eps2 = mean TV(p_d2, p_R) over
@@ -22,26 +24,28 @@ from dataclasses import asdict, dataclass, field
 from vllm_loop.loopspec.verify import CommitSource
 
 
-def mean_accepted_length(n_decode: int, n_first: int, n_second: int, R: int, d1: int, d2: int | None) -> float:
-    """Paper eq. 9. 0 tokens -> 0.0."""
+def mean_accepted_length(n_decode: int, n_first: int, n_second: int, R: int, d1: int, d2: int | None,
+                         n_late: int = 0, late_depth_sum: int = 0) -> float:
+    """Paper eq. 9 (late commits costing ``late_depth_sum`` steps in all). 0 tokens -> 0.0."""
     if n_decode == 0:
         return 0.0
-    n_full = n_decode - n_first - n_second
+    n_full = n_decode - n_first - n_second - n_late
     if n_full < 0:
-        raise ValueError("n_first + n_second exceeds n_decode")
+        raise ValueError("n_first + n_second + n_late exceeds n_decode")
     if n_second and d2 is None:
         raise ValueError("second-proposal commits without a d2")
-    cost = n_first * d1 + n_second * (d2 or 0) + n_full * R
+    cost = n_first * d1 + n_second * (d2 or 0) + late_depth_sum + n_full * R
     return n_decode * R / cost
 
 
-def commit_shares(n_decode: int, n_first: int, n_second: int) -> dict[str, float]:
+def commit_shares(n_decode: int, n_first: int, n_second: int, n_late: int = 0) -> dict[str, float]:
     if n_decode == 0:
-        return {"first": 0.0, "second": 0.0, "full": 0.0}
+        return {"first": 0.0, "second": 0.0, "late": 0.0, "full": 0.0}
     return {
         "first": n_first / n_decode,
         "second": n_second / n_decode,
-        "full": (n_decode - n_first - n_second) / n_decode,
+        "late": n_late / n_decode,
+        "full": (n_decode - n_first - n_second - n_late) / n_decode,
     }
 
 
@@ -59,10 +63,14 @@ class LoopSpecStats:
     d1: int
     d2: int | None = None
     gate: bool = True
+    late_depths: tuple[int, ...] = ()
     decoded: int = 0  # tokens committed by the pipeline (excludes the prefill's token)
     first: int = 0
     second: int = 0
+    late: int = 0  # greedy: a late re-proposal accepted
     full: int = 0
+    late_proposals: int = 0  # children spawned from late re-proposals
+    late_depth_sum: int = 0  # the depths at which the accepted late re-proposals were made
     second_proposals: int = 0  # children spawned from the second proposal
     gate_evaluations: int = 0
     gate_opens: int = 0
@@ -73,12 +81,15 @@ class LoopSpecStats:
     exact_double_reject_sum: float = 0.0  # sampling: exact P(double rejection) summed over positions
     lanes_per_step: list[int] = field(default_factory=list)  # this request's lanes per step
 
-    def record_commit(self, source: CommitSource, had_second: bool) -> None:
+    def record_commit(self, source: CommitSource, had_second: bool, late_depth: int | None = None) -> None:
         self.decoded += 1
         if source == CommitSource.FIRST:
             self.first += 1
         elif source == CommitSource.SECOND:
             self.second += 1
+        elif source == CommitSource.LATE:
+            self.late += 1
+            self.late_depth_sum += late_depth
         else:
             self.full += 1
         if source != CommitSource.FIRST and had_second:
@@ -87,11 +98,12 @@ class LoopSpecStats:
     # -- derived ------------------------------------------------------------------------------------------
     @property
     def gamma(self) -> float:
-        return mean_accepted_length(self.decoded, self.first, self.second, self.R, self.d1, self.d2)
+        return mean_accepted_length(self.decoded, self.first, self.second, self.R, self.d1, self.d2, self.late,
+                                    self.late_depth_sum)
 
     @property
     def shares(self) -> dict[str, float]:
-        return commit_shares(self.decoded, self.first, self.second)
+        return commit_shares(self.decoded, self.first, self.second, self.late)
 
     @property
     def gate_open_frequency(self) -> float:
@@ -121,11 +133,12 @@ class LoopSpecStats:
         return self.exact_double_reject_sum / self.decoded if self.decoded else 0.0
 
     def merge(self, other: LoopSpecStats) -> LoopSpecStats:
-        if (self.R, self.d1, self.d2, self.gate) != (other.R, other.d1, other.d2, other.gate):
+        schedule = (self.R, self.d1, self.d2, self.gate, self.late_depths)
+        if schedule != (other.R, other.d1, other.d2, other.gate, other.late_depths):
             raise ValueError("cannot merge stats of different schedules")
-        out = LoopSpecStats(self.R, self.d1, self.d2, self.gate)
+        out = LoopSpecStats(*schedule)
         for name in (
-            "decoded first second full second_proposals gate_evaluations gate_opens "
+            "decoded first second late full second_proposals late_proposals late_depth_sum gate_evaluations gate_opens "
             "first_rejected_with_second eps1_sum eps2_sum exact_double_reject_sum"
         ).split():
             setattr(out, name, getattr(self, name) + getattr(other, name))
@@ -155,7 +168,8 @@ def format_summary(summary: dict, effective_batch: dict | None = None) -> str:
     s = summary
     lines = [
         f"tokens decoded by the pipeline: {s['decoded']}  gamma (eq. 9): {s['gamma']:.3f} (max {s['gamma_bound']:.1f})",
-        "commit shares: first {first:.2%}  second {second:.2%}  full depth {full:.2%}".format(**s["shares"]),
+        "commit shares: first {first:.2%}  second {second:.2%}  late {late:.2%}  full depth {full:.2%}".format(
+            **s["shares"]),
         f"gate-open frequency: {s['gate_open_frequency']:.2%} ({s['gate_opens']}/{s['gate_evaluations']})",
         f"double-rejection rate: {s['double_rejection_rate']:.4f}  eps1={s['eps1']:.4f} eps2={s['eps2']:.4f}"
         + ("" if s["theorem1_bound"] is None
@@ -188,9 +202,11 @@ class EngineCounters:
     request_steps: int = 0  # sum over recurrent steps of the requests advanced
     first: int = 0  # commits whose first proposal was accepted
     second: int = 0  # ... whose second proposal was accepted
+    late: int = 0  # ... whose late re-proposal was accepted (greedy)
     full: int = 0  # ... sampled from the full-depth residual (pipeline restart)
     first_verified: int = 0  # first proposals verified (commits that had one)
     second_verified: int = 0  # second proposals verified
+    late_verified: int = 0  # late re-proposals verified
     gate_evaluations: int = 0
     gate_opens: int = 0
     standard_steps: int = 0  # engine steps in which lane requests decoded on vLLM's ordinary forward
@@ -219,7 +235,7 @@ class EngineCounters:
 
     @property
     def commits(self) -> int:
-        return self.first + self.second + self.full
+        return self.first + self.second + self.late + self.full
 
     def summary(self, R: int) -> dict:
         """Measured gamma (tokens a request commits per R recurrent steps), commit shares, gate-open
@@ -227,7 +243,7 @@ class EngineCounters:
         n = self.commits
         return {
             "gamma": R * n / self.request_steps if self.request_steps else 0.0,
-            "shares": commit_shares(n, self.first, self.second),
+            "shares": commit_shares(n, self.first, self.second, self.late),
             "gate_open_rate": self.gate_opens / self.gate_evaluations if self.gate_evaluations else 0.0,
             "lanes_per_step": self.lanes_advanced / self.recurrent_steps if self.recurrent_steps else 0.0,
             "requests_per_step": self.request_steps / self.recurrent_steps if self.recurrent_steps else 0.0,
@@ -236,9 +252,10 @@ class EngineCounters:
 
     def log_line(self, R: int) -> str:
         s = self.summary(R)
-        return ("LoopSpec: gamma {gamma:.2f} (max {R}), commits first {f:.1%} second {s2:.1%} full {u:.1%}, "
+        late = f" late {s['shares']['late']:.1%}" if self.late_verified else ""
+        return ("LoopSpec: gamma {gamma:.2f} (max {R}), commits first {f:.1%} second {s2:.1%}{late} full {u:.1%}, "
                 "gate open {g:.1%}, lanes per recurrent step {l:.2f}, recurrent steps {rs}, lane steps {ls}, "
                 "prefill-joined steps {ss}, plain steps {ps}").format(
-            gamma=s["gamma"], R=R, f=s["shares"]["first"], s2=s["shares"]["second"], u=s["shares"]["full"],
+            gamma=s["gamma"], R=R, f=s["shares"]["first"], s2=s["shares"]["second"], late=late, u=s["shares"]["full"],
             g=s["gate_open_rate"], l=s["lanes_per_step"], rs=self.recurrent_steps, ls=self.lane_steps,
             ss=self.standard_steps, ps=self.plain_steps)

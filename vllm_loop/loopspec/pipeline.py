@@ -7,6 +7,7 @@ hands the readouts to ``advance``; the pipeline then
 
 * proposes at d1 (always) and spawns a child lane for the proposed token,
 * evaluates the gated residual second proposal at d2 and spawns a sibling when it opens,
+* (greedy) re-proposes at each late depth whose argmax the lane has not proposed yet,
 * verifies the root at R by cascade verification and commits one token, re-rooting the tree at
   the accepted child or restarting it with a fresh lane for the committed token.
 
@@ -93,7 +94,7 @@ class RequestPipeline:
     ):
         self.schedule, self.params = schedule, params
         self.tree = BranchTree()
-        self.stats = LoopSpecStats(schedule.R, schedule.d1, schedule.d2, schedule.gate)
+        self.stats = LoopSpecStats(schedule.R, schedule.d1, schedule.d2, schedule.gate, schedule.late)
         self.max_lanes = schedule.max_lanes if max_lanes is None else max(1, max_lanes)
         self._rng = rng
         self._uniform = uniform_source(rng) if not params.greedy else None
@@ -153,8 +154,9 @@ class RequestPipeline:
             # Verify first: lanes the commit prunes then make no proposals (and draw no uniforms).
             before = self.tree.lanes
             verdict = self._verify(root, read[root.id])
-            self.stats.record_commit(verdict.source, had_second=root.second is not None)
-            _, new_root = self.tree.commit(verdict.source)
+            self.stats.record_commit(verdict.source, had_second=root.second is not None,
+                                     late_depth=self._late_depth(root, verdict))
+            _, new_root = self.tree.commit(verdict.source, verdict.token)
             if new_root is not None and new_root.token != verdict.token:
                 raise AssertionError("kept child does not carry the committed token")
             out.commit = Commit(root, verdict)
@@ -169,6 +171,8 @@ class RequestPipeline:
                 child = self._first_proposal(lane, read[lane.id])
             elif lane.depth == sch.d2:
                 child = self._second_proposal(lane, read[lane.id])
+            elif lane.depth in sch.late:
+                child = self._late_proposal(lane, read[lane.id])
             else:
                 continue
             if child is not None:
@@ -184,13 +188,13 @@ class RequestPipeline:
             return None  # no proposal: the root commits a plain sample of p_R at verification
         first = Proposal(value, None) if self.params.greedy else propose_first(value, self._uniform)
         child = self.tree.spawn(lane, first.token, CommitSource.FIRST)
-        lane.first = Proposed(first.token, first.dist, child)
+        lane.first = Proposed(first.token, first.dist, child, lane.depth)
         return child
 
     def _second_proposal(self, lane: Lane, value) -> Lane | None:
         if lane.first is None:
             return None
-        x1, q1, _ = lane.first
+        x1, q1 = lane.first.token, lane.first.dist
         self.stats.gate_evaluations += 1
         lane.q2_tilde = value
         if not self._room():
@@ -206,8 +210,27 @@ class RequestPipeline:
         self.stats.gate_opens += 1
         self.stats.second_proposals += 1
         child = self.tree.spawn(lane, second.token, CommitSource.SECOND)
-        lane.second = Proposed(second.token, second.dist, child)
+        lane.second = Proposed(second.token, second.dist, child, lane.depth)
         return child
+
+    def _late_proposal(self, lane: Lane, value) -> Lane | None:
+        """Greedy: a sibling for the argmax at a late depth when the lane has not proposed it yet."""
+        if not self.params.greedy or lane.first is None:
+            return None
+        proposed = [lane.first.token] + ([lane.second.token] if lane.second else []) + [p.token for p in lane.late]
+        if value in proposed or not self._room():
+            return None
+        self.stats.late_proposals += 1
+        child = self.tree.spawn(lane, value, CommitSource.LATE)
+        lane.late.append(Proposed(value, None, child, lane.depth))
+        return child
+
+    @staticmethod
+    def _late_depth(root: Lane, verdict: Verdict) -> int | None:
+        """The depth at which the accepted late re-proposal was made (eq. 9's cost), else None."""
+        if verdict.source != CommitSource.LATE:
+            return None
+        return next(p.depth for p in root.late if p.token == verdict.token)
 
     # -- verification ---------------------------------------------------------------------------------------
     def _verify(self, root: Lane, value) -> Verdict:
@@ -217,7 +240,8 @@ class RequestPipeline:
             target = value
             if first is None:
                 return Verdict(target, CommitSource.FULL)
-            verdict = cascade_verify_greedy(target, first.token, None if second is None else second.token)
+            verdict = cascade_verify_greedy(target, first.token, None if second is None else second.token,
+                                            [p.token for p in root.late])
             st.eps1_sum += float(first.token != target)
             if sch.d2 is not None and root.q2_tilde is not None:
                 st.eps2_sum += float(root.q2_tilde != target)

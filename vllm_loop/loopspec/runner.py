@@ -39,14 +39,13 @@ import torch
 from torch.profiler import record_function
 
 from vllm_loop import get_logger
-from vllm_loop.loopspec.config import knobs
+from vllm_loop.loopspec.config import knobs, schedule_of
 from vllm_loop.loopspec.lane_graphs import DEPTH, PREFIX, LaneBatch, LaneGraphs, lane_call, upload
 from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
 from vllm_loop.loopspec.pipeline import Commit, Expected, RequestPipeline, readout_values
 from vllm_loop.loopspec.proposals import SamplingParams
-from vllm_loop.loopspec.schedule import LoopSpecSchedule
 from vllm_loop.loopspec.verify import CommitSource
 from vllm_loop.models.layers import bank_prefix
 
@@ -195,7 +194,7 @@ class LoopSpecRunner:
         k = knobs(vllm_config)
         if k is None:
             raise ValueError("LoopSpecRunner needs additional_config['loopspec'] (use method 'loopspec')")
-        self.schedule = LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"])
+        self.schedule = schedule_of(vllm_config)
         self.max_lanes = int(k["max_lanes"])
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.pad_drafts = k.get("step_tokens", 0) > 0  # step_drafts
@@ -654,9 +653,11 @@ class LoopSpecRunner:
         source, root = commit.verdict.source, commit.lane
         self._step.first += source == CommitSource.FIRST
         self._step.second += source == CommitSource.SECOND
+        self._step.late += source == CommitSource.LATE
         self._step.full += source == CommitSource.FULL
         self._step.first_verified += root.first is not None
         self._step.second_verified += root.second is not None
+        self._step.late_verified += len(root.late)
 
     def _write_commits(self, runner, commits: list[tuple[_Row, Lane]]) -> None:
         """Verified roots: their K/V of every bank goes from their scratch slots to the paged cache."""

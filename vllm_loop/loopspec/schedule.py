@@ -1,4 +1,5 @@
-"""The LoopSpec schedule: total depth R, first proposal depth d1, optional second proposal depth d2.
+"""The LoopSpec schedule: total depth R, first proposal depth d1, optional second proposal depth d2,
+optional late re-proposal depths.
 
 Time is counted in *recurrent steps*: one step advances every live lane of every request by one
 application of the shared block (depth t -> t+1). A lane reads out a proposal at depth d1 (always),
@@ -9,6 +10,15 @@ request sits a multiple of d1 steps behind the root: readouts line up, exactly a
 get the same schedule, with metrics counted in recurrent steps as in the paper's eq. 9). R need not
 be a multiple of d1 (the paper asks only ``d1 < d2 < R`` and ``d1 | d2``): a lane is simply
 verified when it reaches R, between two of its children's births.
+
+Late re-proposals (greedy requests only; ours, not the paper's). A first proposal that d2 agrees
+with and R rejects costs the whole pipeline (~R steps); on random-weight bf16 checkpoints these are
+near-ties that rounding flips between depths, and the argmax a few depths later is R's far more often
+(Huginn-0125 shape, 1:5: the argmax at depth 8 catches ~3/4 of them, benchmarks/RESULTS.md). At each
+depth k of ``late`` a lane reads out once more, and spawns one more sibling when its argmax differs
+from every token the lane has proposed: accepted at R, it leaves k steps to the next commit instead
+of R. Lossless: the committed token is R's argmax whatever was proposed. Sampled requests ignore the
+late depths (the cascade's stages are the paper's two).
 
 Lane capacity. With both proposals always spawning (no gate), the number of lanes born in the k-th
 interval of d1 steps of one root lane's tree follows ``s_k = s_{k-1} + s_{k-m}`` with ``m = d2/d1`` and
@@ -24,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-ALLOWED_CONFIG_KEYS = ("method", "d1", "d2", "gate")
+ALLOWED_CONFIG_KEYS = ("method", "d1", "d2", "gate", "late")
 
 
 def _check_int(field: str, value, minimum: int) -> int:
@@ -37,8 +47,8 @@ def _check_int(field: str, value, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class LoopSpecSchedule:
-    """Validated (R, d1, d2) with ``1 <= d1 < d2 < R`` and ``d2 % d1 == 0`` (R need not be a multiple
-    of d1).
+    """Validated (R, d1, d2, late) with ``1 <= d1 < d2 < R`` and ``d2 % d1 == 0`` (R need not be a
+    multiple of d1); ``late``: increasing depths between d2 (or d1) and R, multiples of d1.
 
     ``d2=None`` is single-proposal mode. ``gate`` (default True, the paper's rule) opens the second
     proposal only when ``q~2(x1) < q1(x1)``; ``gate=False`` proposes from the residual whenever it has
@@ -49,6 +59,7 @@ class LoopSpecSchedule:
     d1: int
     d2: int | None = None
     gate: bool = True
+    late: tuple[int, ...] = ()
 
     def __post_init__(self):
         R = _check_int("R", self.R, 2)
@@ -65,6 +76,19 @@ class LoopSpecSchedule:
                 raise ValueError(f"LoopSpec schedule: d2={d2} is invalid: d2 must be a multiple of d1 (d1={d1})")
         if not isinstance(self.gate, bool):
             raise ValueError(f"LoopSpec schedule: gate={self.gate!r} is invalid: gate must be true or false")
+        if not isinstance(self.late, (tuple, list)):
+            raise ValueError(f"LoopSpec schedule: late={self.late!r} is invalid: late must be a list of depths")
+        object.__setattr__(self, "late", tuple(self.late))
+        lo = self.d2 if self.d2 is not None else d1
+        for k in self.late:
+            k = _check_int("late", k, 1)
+            if not lo < k < R:
+                raise ValueError(f"LoopSpec schedule: late={list(self.late)} is invalid: each late depth must be "
+                                 f"> {'d2' if self.d2 is not None else 'd1'}={lo} and < R={R}, in increasing order")
+            if k % d1:
+                raise ValueError(f"LoopSpec schedule: late={list(self.late)} is invalid: {k} is not a multiple "
+                                 f"of d1={d1}")
+            lo = k
 
     # -- construction from a speculative config ------------------------------------------------
     @classmethod
@@ -82,7 +106,8 @@ class LoopSpecSchedule:
             raise ValueError(f"LoopSpec config: method={config['method']!r} is invalid: method must be 'loopspec'")
         if "d1" not in config:
             raise ValueError("LoopSpec config: d1 is required (the first proposal depth)")
-        return cls(R=depth, d1=config["d1"], d2=config.get("d2"), gate=config.get("gate", True))
+        return cls(R=depth, d1=config["d1"], d2=config.get("d2"), gate=config.get("gate", True),
+                   late=config.get("late", ()))
 
     # -- derived quantities ---------------------------------------------------------------------
     @property
@@ -91,8 +116,8 @@ class LoopSpecSchedule:
 
     @property
     def readout_depths(self) -> tuple[int, ...]:
-        """Depths at which a lane runs the readout (post-layers): d1, d2 (if any), R."""
-        return (self.d1, self.R) if self.d2 is None else (self.d1, self.d2, self.R)
+        """Depths at which a lane runs the readout (post-layers): d1, d2 (if any), the late depths, R."""
+        return (self.d1, *(() if self.d2 is None else (self.d2,)), *self.late, self.R)
 
     @property
     def intervals(self) -> int:
@@ -115,9 +140,11 @@ class LoopSpecSchedule:
 
     @property
     def max_lanes(self) -> int:
-        """Upper bound on the lanes of one request advanced in one recurrent step."""
+        """Upper bound on the lanes of one request advanced in one recurrent step (late re-proposals
+        aside: their siblings take room under the pipeline's lane cap, which bounds them)."""
         return sum(self.births)
 
     def describe(self) -> str:
         second = "none" if self.d2 is None else f"{self.d2} ({'gated' if self.gate else 'ungated'})"
-        return f"R={self.R} d1={self.d1} d2={second} max_lanes={self.max_lanes}"
+        late = f" late={list(self.late)}" if self.late else ""
+        return f"R={self.R} d1={self.d1} d2={second}{late} max_lanes={self.max_lanes}"

@@ -51,13 +51,14 @@ def loopspec_spec_stats(step: EngineCounters, num_spec_tokens: int) -> SpecDecod
         return None
     stats = SpecDecodingStats.new(num_spec_tokens)
     stats.num_drafts = step.first_verified + step.chain_rows
-    stats.num_draft_tokens = step.first_verified + step.second_verified + step.chain_drafts
-    stats.num_accepted_tokens = step.first + step.second + step.chain_accepted
+    # a lane's alternatives for the same position (second, late) count as its position-1 drafts
+    stats.num_draft_tokens = step.first_verified + step.second_verified + step.late_verified + step.chain_drafts
+    stats.num_accepted_tokens = step.first + step.second + step.late + step.chain_accepted
     stats.num_accepted_tokens_per_pos[0] = step.first
     stats.num_draft_tokens_per_pos[0] = step.first_verified
     if num_spec_tokens > 1:
-        stats.num_accepted_tokens_per_pos[1] = step.second
-        stats.num_draft_tokens_per_pos[1] = step.second_verified
+        stats.num_accepted_tokens_per_pos[1] = step.second + step.late
+        stats.num_draft_tokens_per_pos[1] = step.second_verified + step.late_verified
     return stats
 
 

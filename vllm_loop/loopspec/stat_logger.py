@@ -6,7 +6,7 @@ record this logger reads them and advances Prometheus counters by the difference
 interval it prints one line next to vLLM's own. Engines without LoopSpec get a logger that does
 nothing.
 
-Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{source=first|second|full}``,
+Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{source=first|second|late|full}``,
 ``..._recurrent_steps_total``, ``..._lanes_advanced_total``, ``..._request_steps_total``,
 ``..._gate_evaluations_total``, ``..._gate_opens_total``, ``..._lane_steps_total``,
 ``..._prefill_joined_steps_total``, ``..._chain_drafts_total``, ``..._chain_accepted_total``,
@@ -52,7 +52,8 @@ def _prometheus() -> dict:
         _metrics = {name: Counter(f"vllm_loop:loopspec_{name}", f"LoopSpec {name.replace('_', ' ')}", labels)
                     for name in COUNTERS}
         _metrics["commits"] = Counter("vllm_loop:loopspec_commits", "LoopSpec committed tokens by where they came "
-                                      "from (first / second proposal accepted, full-depth residual)", labels + ["source"])
+                                      "from (first / second proposal or late re-proposal accepted, full-depth residual)",
+                                      labels + ["source"])
         _metrics["gamma"] = Gauge("vllm_loop:loopspec_gamma", "LoopSpec tokens committed per R recurrent steps "
                                   "of a request (since start)", labels)
         _metrics["lanes_per_step"] = Gauge("vllm_loop:loopspec_lanes_per_step", "LoopSpec lanes advanced per "
@@ -97,7 +98,7 @@ class LoopSpecStatLogger(StatLoggerBase):
         m = _prometheus()
         for name, fld in COUNTERS.items():
             m[name].labels(*self.labels).inc(max(0, getattr(delta, fld)))
-        for source in ("first", "second", "full"):
+        for source in ("first", "second", "late", "full"):
             m["commits"].labels(*self.labels, source).inc(max(0, getattr(delta, source)))
         summary = totals.summary(self.R)
         m["gamma"].labels(*self.labels).set(summary["gamma"])

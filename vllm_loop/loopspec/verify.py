@@ -7,7 +7,8 @@
 A residual with no mass (rounding) falls back to the distribution it was taken from.
 
 Greedy is the same cascade on one-hot distributions: accept x1 iff it is argmax p, else x2 iff it
-is, else commit argmax p. The committed token is always argmax p.
+is, else a late re-proposal iff one is (greedy only: ``LoopSpecSchedule.late``), else commit argmax p.
+The committed token is always argmax p.
 
 ``cascade_output_distribution`` computes the exact distribution of the committed token of one
 cascade (summing over the proposals instead of sampling them) from the same building blocks; the
@@ -38,6 +39,7 @@ class CommitSource(IntEnum):
     FIRST = 1  # first proposal accepted
     SECOND = 2  # second proposal accepted after the first was rejected
     FULL = 3  # both rejected (or no second proposal): full-depth residual sample, pipeline restarts
+    LATE = 4  # greedy: both rejected, a late re-proposal (argmax at a depth past d2) accepted
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,14 @@ def accept_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(q > 0, torch.clamp(p / safe_q, max=1.0), torch.zeros_like(q))
 
 
-def cascade_verify_greedy(target: int, first: int, second: int | None = None) -> Verdict:
+def cascade_verify_greedy(target: int, first: int, second: int | None = None, late=()) -> Verdict:
+    """``late``: the tokens of the root's late re-proposals (all differ from ``first`` and ``second``)."""
     if first == target:
         return Verdict(target, CommitSource.FIRST)
     if second is not None and second == target:
         return Verdict(target, CommitSource.SECOND)
+    if target in late:
+        return Verdict(target, CommitSource.LATE)
     return Verdict(target, CommitSource.FULL)
 
 

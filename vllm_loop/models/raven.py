@@ -90,7 +90,10 @@ class RavenModel(nn.Module):
         extra = sorted(set(readout_depths) | set(self.kv_readouts))
         coda_depths = (self.depth,) + tuple(r for r in extra if r != self.depth)
         self.layout = BankLayout(prelude=P, core=C, coda=D, depth=self.depth, coda_depths=coda_depths)
-        coda_index = torch.full((self.depth + 1,), -1, dtype=torch.long)
+        # depths without coda banks of their own (a logits call's padding rows, at depth 0) read the depth-R
+        # set: the Triton lane kernel looks ``bank_ids[depth]`` up unchecked, and -1 read out of bounds (an
+        # illegal address on the H200 once late re-proposals added coda banks, twenty-first run)
+        coda_index = torch.zeros((self.depth + 1,), dtype=torch.long)
         for k, r in enumerate(coda_depths):
             coda_index[r] = k
         self.register_buffer("coda_index", coda_index, persistent=False)  # readout depth -> coda bank set
