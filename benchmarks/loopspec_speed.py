@@ -373,13 +373,15 @@ def main() -> int:
         make_shape_checkpoint(args.shape, folder, args.agreement)
         print(f"checkpoint {folder} written in {time.time() - t0:.0f} s", flush=True)
         args.checkpoint = str(folder)
+    # the LoopSpec systems' schedule options, as every worker process gets them
+    schedule_args = (["--tuned", args.tuned] if args.tuned else []) + (["--late", *map(str, args.late)] if args.late else [])
     results, failed = {}, []
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
                "--eager", args.eager, "--prompts", args.prompts, "--temperature", str(args.temperature),
                "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)] + \
-              (["--tuned", args.tuned] if args.tuned else []) + (["--late", *map(str, args.late)] if args.late else [])
+              schedule_args
         # the engine's log goes to a file beside --out as it runs: a run cut short still shows how far it got
         log = Path(args.out).with_suffix(f".{system}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -441,8 +443,7 @@ def main() -> int:
     if args.profile:
         cmd = [sys.executable, __file__, "--worker", "profile", "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager,
-               "--profile-system", args.profile_system] + (["--tuned", args.tuned] if args.tuned else []) + \
-              (["--late", *map(str, args.late)] if args.late else [])
+               "--profile-system", args.profile_system] + schedule_args
         proc = subprocess.run(cmd, capture_output=True, text=True)
         Path(args.out).with_suffix(".profile.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:

@@ -122,12 +122,8 @@ def build_schedule(config: dict, family: str, R: int) -> tuple[LoopSpecSchedule,
     gate = config.get("gate", True)
     if not isinstance(gate, bool):
         raise ValueError(f"speculative_config (loopspec): gate={gate!r} is invalid: gate must be true or false")
-    late = config.get("late", [])
-    if not isinstance(late, (list, tuple)):
-        raise ValueError(f"speculative_config (loopspec): late={late!r} is invalid: late must be a list of depths "
-                         f"(integers between d2 and R={R}, multiples of d1), e.g. [8, 16]")
     try:
-        schedule = LoopSpecSchedule(R, d1, d2, gate, tuple(late))
+        schedule = LoopSpecSchedule(R, d1, d2, gate, config.get("late", ()))
     except ValueError as e:
         raise ValueError(f"speculative_config (loopspec), model loop count R={R}: {e}") from None
     cap = _field(config, "max_lanes")
