@@ -7,7 +7,10 @@ Every start runs in its own process. ``cold``: vLLM's, Inductor's and Triton's c
 whatever is built on first use (lane graphs, where the lanes policy runs lanes), the second does not. vLLM's log
 lines give the phases (weights, Dynamo, Inductor, the whole compile, graph capture, ``init engine``).
 
-``--variants`` picks settings to compare on the same checkpoint: ``default``;
+``--variants`` picks settings to compare on the same checkpoint: ``default`` (since 2026-12-04 a
+LoopSpec engine on one GPU starts without torch.compile, ``loopspec/config.py:
+fast_start_compilation``); ``compiled`` (``compilation_config={"mode": 3}``: vLLM's torch.compile, as
+every variant below asks for it too, so the runs before 2026-12-04 compare with these);
 ``no-aot`` (``VLLM_USE_AOT_COMPILE=0``: no ahead-of-time compiled artifact is serialized; a warm
 start re-runs Dynamo and loads Inductor's cached graphs instead); ``capture-256``
 (``compilation_config.max_cudagraph_capture_size`` 256 given explicitly: what vLLM picks for 128
@@ -44,15 +47,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import loopspec_speed  # noqa: E402  (the shapes and their factory checkpoints)
 
-NO_AOT, CAPTURE_256 = {"VLLM_USE_AOT_COMPILE": "0"}, {"compilation_config": {"max_cudagraph_capture_size": 256}}
-INLINE_SAVE, NO_FREEZE, ONE_THREAD = {"VLLM_LOOP_AOT_SAVE": "inline"}, {"VLLM_LOOP_GC_FREEZE": "0"}, \
-    {"VLLM_LOOP_COMPILE_THREADS": "1"}
+NO_AOT, INLINE_SAVE, NO_FREEZE, ONE_THREAD = {"VLLM_USE_AOT_COMPILE": "0"}, {"VLLM_LOOP_AOT_SAVE": "inline"}, \
+    {"VLLM_LOOP_GC_FREEZE": "0"}, {"VLLM_LOOP_COMPILE_THREADS": "1"}
+# vLLM's torch.compile asked for: a LoopSpec engine skips it by default since 2026-12-04
+COMPILED = {"compilation_config": {"mode": 3}}
+CAPTURE_256 = {"compilation_config": {"mode": 3, "max_cudagraph_capture_size": 256}}
 VARIANTS = {  # name -> (environment, engine keyword arguments)
-    "default": ({}, {}), "no-aot": (NO_AOT, {}), "capture-256": ({}, CAPTURE_256),
+    "default": ({}, {}), "compiled": ({}, COMPILED), "no-aot": (NO_AOT, COMPILED), "capture-256": ({}, CAPTURE_256),
     "no-aot-capture-256": (NO_AOT, CAPTURE_256),
-    # the plugin's start-up changes (vllm_patches.install_compiled_model_startup) turned off, one or all
-    "inline-save": (INLINE_SAVE, {}), "no-gc-freeze": (NO_FREEZE, {}), "one-compile-thread": (ONE_THREAD, {}),
-    "vllm-startup": (INLINE_SAVE | NO_FREEZE | ONE_THREAD, {})}
+    # the plugin's start-up changes for compiled engines (vllm_patches.install_compiled_model_startup)
+    # turned off, one or all
+    "inline-save": (INLINE_SAVE, COMPILED), "no-gc-freeze": (NO_FREEZE, COMPILED),
+    "one-compile-thread": (ONE_THREAD, COMPILED), "vllm-startup": (INLINE_SAVE | NO_FREEZE | ONE_THREAD, COMPILED)}
 MILESTONES = ("Resolved architecture", "Initializing a V1 LLM engine", "Starting to load model", "Model loading took",
               "Dynamo bytecode transform time", "Compiling a graph for compile range", "saved AOT compiled function",
               "torch.compile took", "torch.compile and initial", "Initial profiling/warmup run took",

@@ -2,7 +2,8 @@
 
 One checkpoint (factory-made, real tensors: ``--agreement`` makes early depths agree with the final
 one, so proposals get accepted; 0 = random weights), one engine per system, each in its own
-subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA graphs on a GPU):
+subprocess with the same vLLM settings (defaults: bf16, CUDA graphs on a GPU; torch.compile for every
+engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-compiled`` below):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
 * ``vanilla-sync`` -- the same with ``async_scheduling=False`` (it shows what vLLM's asynchronous
@@ -39,7 +40,14 @@ subprocess with the same vLLM settings (defaults: bf16, torch.compile + CUDA gra
   ``best`` d1 / d2 replace the spec's);
 * ``loopspec-tuned-late`` -- ``loopspec-tuned`` with greedy late re-proposals at the depths of
   ``--late`` (``"late": [...]``, ``vllm_loop/loopspec/schedule.py``);
-* ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config).
+* ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
+* ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
+  ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
+  with its CUDA custom ops, decode steps still replayed from vLLM's full CUDA graphs; LoopSpec's lane
+  graphs unchanged). It starts without Dynamo / Inductor (most of a looped model's cold start). Since
+  2026-12-04 this is a LoopSpec engine's default on one CUDA GPU (``config.fast_start_compilation``);
+* ``SYSTEM-compiled`` -- the same engine with vLLM's ``torch.compile`` asked for
+  (``compilation_config={"mode": 3}``): vanilla's default, a LoopSpec engine's before 2026-12-04.
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
 ``--top-k``), ``ignore_eos``; the decode rate is
@@ -95,6 +103,15 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
            "loopspec-chain", "loopspec-auto-chain", "loopspec-auto-fused",
            "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused", "loopspec-triton-fused",
            "loopspec-tuned", "loopspec-tuned-late", "in-tree")
+# suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
+COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3}}
+
+
+def base_system(system: str) -> str:
+    """The system without its compilation suffix."""
+    return next((system.removesuffix(x) for x in COMPILATION if system.endswith(x)), system)
+
+
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -138,6 +155,8 @@ def _start(args, system: str, max_num_seqs: int):
     gpu = torch.cuda.is_available()
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    compilation = next((c for x, c in COMPILATION.items() if system.endswith(x)), None)
+    system = base_system(system)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
@@ -168,6 +187,8 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["lane_attention"] = "torch"
     if system.endswith("-fused"):
         kw["compilation_config"] = {"custom_ops": ["all"]}
+    if compilation and gpu:  # no compile: vLLM then takes its CUDA custom ops ("all") by itself
+        kw["compilation_config"] = kw.get("compilation_config", {}) | compilation
     t0 = time.time()
     llm = LLM(args.checkpoint, **kw)
     return llm, kw, cfg, R, time.time() - t0
@@ -175,9 +196,9 @@ def _start(args, system: str, max_num_seqs: int):
 
 def worker(args) -> dict:
     """One system: start its engine, measure every concurrency, print one JSON line."""
-    if args.worker == "in-tree":
+    if base_system(args.worker) == "in-tree":
         os.environ["VLLM_PLUGINS"] = "none"  # no general plugin: vLLM's own OuroForCausalLM
-    if args.worker == "vanilla-v1":
+    if base_system(args.worker) == "vanilla-v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     import torch
     from vllm import SamplingParams
@@ -217,6 +238,8 @@ def worker(args) -> dict:
             "model_module": llm.llm_engine.vllm_config.model_config.architecture,
             "enforce_eager": kw["enforce_eager"], "device": torch.cuda.get_device_name() if gpu else "cpu",
             "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+            "compilation": {"mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
+                            "cudagraph_mode": llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name},
             "model_runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"}
 
 
@@ -363,9 +386,10 @@ def main() -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
-    unknown = [x for x in args.systems.split(",") + [args.profile_system] if x not in SYSTEMS]
+    unknown = [x for x in args.systems.split(",") + [args.profile_system] if base_system(x) not in SYSTEMS]
     if unknown:
-        ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)}")
+        ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)} "
+                 f"(each also as SYSTEM{' or SYSTEM'.join(COMPILATION)})")
 
     if args.checkpoint is None:
         folder = Path(tempfile.mkdtemp()) / args.shape

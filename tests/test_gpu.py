@@ -187,6 +187,10 @@ LANE_GRAPHS = [("ouro-1:2", "auto", "torch", "auto"), ("ouro-agree-1:2", "auto",
                ("huginn-R32-1:5-late", "auto", "triton", "auto")]
 
 
+# vLLM's torch.compile asked for by name: a LoopSpec engine skips it by default (config.fast_start_compilation)
+COMPILED = {"compilation_config": {"mode": 3}}
+
+
 def _captured_lane_graphs(worker) -> int:
     graphs = worker.model_runner.drafter.graphs
     return -1 if graphs is None else graphs.captured
@@ -201,6 +205,18 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     requests arriving while others decode; LoopSpec == the
     reference token for token (so graphs on == off == vanilla, which equals the reference:
     the parity tests above); nothing leaks."""
+    _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled=True)
+
+
+@pytest.mark.parametrize("name", ["huginn-R32-1:5"])
+def test_loopspec_greedy_identity_nocompile(ckpt_factory, name):
+    """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
+    FULL_DECODE_ONLY: no Dynamo / Inductor at start-up; vLLM's forward eager with its full decode
+    graphs, the lane graphs as always): identical to the reference."""
+    _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False)
+
+
+def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool):
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs
@@ -210,9 +226,11 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     with worker_functions():  # collective_rpc(lane_census) below
         llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs, "lane_attention": attention,
                                                           "lane_overlap": overlap},
-                        max_model_len=128, block_size=16)
+                        max_model_len=128, block_size=16, **(COMPILED if compiled else {}))
         try:
-            assert llm.llm_engine.vllm_config.compilation_config.mode.name == "VLLM_COMPILE"
+            compilation = llm.llm_engine.vllm_config.compilation_config
+            assert compilation.mode.name == ("VLLM_COMPILE" if compiled else "NONE")
+            assert compilation.cudagraph_mode.name == ("FULL_AND_PIECEWISE" if compiled else "FULL_DECODE_ONLY")
             got = run_jobs(llm, greedy_jobs())
             census = llm.collective_rpc(lane_census)[0]
             captured = llm.collective_rpc(_captured_lane_graphs)[0]
@@ -228,7 +246,7 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     assert (totals.late > 0) if spec.get("late") else (totals.late_verified == 0), totals
     overlapped = totals.overlap_wasted + totals.overlap_lagged
     assert (overlapped > 0) if overlap == "auto" else (overlapped == 0), totals
-    print(f"GPU LoopSpec {name}, lane graphs {graphs} ({captured} captured), lane attention {attention}, overlap "
+    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}, lane graphs {graphs} ({captured} captured), lane attention {attention}, overlap "
           f"{overlap} ({totals.overlap_wasted} rows wasted, {totals.overlap_lagged} lanes lagged): 16 staggered "
           f"requests identical to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
 
@@ -263,7 +281,7 @@ def test_loopspec_async_greedy_identity_compiled(ckpt_factory, name, pattern):
         os.environ[PATTERN_ENV] = pattern  # read by the engine-core process
     try:
         with worker_functions():
-            llm = start_llm(path, speculative_config=spec, max_model_len=128, block_size=16,
+            llm = start_llm(path, speculative_config=spec, max_model_len=128, block_size=16, **COMPILED,
                             **({} if pattern else {"async_scheduling": True}))
             try:
                 config = llm.llm_engine.vllm_config.scheduler_config
@@ -329,7 +347,7 @@ def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
     path = ckpt_factory("ouro", options={"agreement": "0.005"})
     want = _mixed_on_v1(path, scheduling, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, **flag)
     got = _mixed_on_v1(path, scheduling, {PATTERN_ENV: "LLPPPLP"},
-                       speculative_config={"method": "loopspec", "d1": 1, "d2": 2}, **flag)
+                       speculative_config={"method": "loopspec", "d1": 1, "d2": 2}, **flag, **COMPILED)
     batch = mixed_batch()
     random_rows = {i for i, (_, sp) in enumerate(batch) if sp.temperature > 0}
     for i, (g, w) in enumerate(zip(got, want)):

@@ -22,7 +22,7 @@ def _config(path: str, spec, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=path, speculative_config=spec, dtype="float32", max_model_len=256,
-                      enforce_eager=True, **kw)
+                      **({"enforce_eager": True} | kw))
     return args.create_engine_config()
 
 
@@ -130,7 +130,7 @@ def test_lane_attention_auto_is_the_kernel_on_cuda_only(ckpt_factory):
 
 @pytest.mark.parametrize("chosen", [[], ["all"], ["+rms_norm"]])
 def test_loopspec_leaves_custom_ops_to_vllm_and_the_user(ckpt_factory, chosen):
-    """vLLM's forward in a LoopSpec engine is compiled with the custom ops a vanilla engine would get
+    """vLLM's forward in a LoopSpec engine has the custom ops a vanilla engine would get
     (the lane calls take vLLM's CUDA ops themselves, ``lane_graphs.cuda_custom_ops``); what the user
     names in --compilation-config stays as named."""
     path = ckpt_factory("ouro")
@@ -138,6 +138,56 @@ def test_loopspec_leaves_custom_ops_to_vllm_and_the_user(ckpt_factory, chosen):
     loopspec = _config(path, {"method": "loopspec"}, **kw).compilation_config.custom_ops
     assert loopspec == _config(path, None, **kw).compilation_config.custom_ops
     assert set(chosen) <= set(loopspec)
+
+
+def test_fast_start_compilation_only_where_the_user_chose_nothing():
+    """On one CUDA GPU a LoopSpec engine skips torch.compile (full decode graphs kept); any choice of
+    the user's (compile mode, graph mode, -O, --enforce-eager), another device or more GPUs keep vLLM's."""
+    from vllm.config import CompilationConfig, CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_loop.loopspec.config import fast_start_compilation
+
+    on = dict(enforce_eager=False, optimization_level_set=False, cuda=True, gpus=1)
+    assert fast_start_compilation(CompilationConfig(), **on) == {
+        "mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY}
+    assert fast_start_compilation(CompilationConfig(custom_ops=["+rms_norm"]), **on) is not None
+    assert fast_start_compilation(CompilationConfig(mode=CompilationMode.VLLM_COMPILE), **on) is None
+    assert fast_start_compilation(CompilationConfig(cudagraph_mode=CUDAGraphMode.PIECEWISE), **on) is None
+    for change in ({"enforce_eager": True}, {"optimization_level_set": True}, {"cuda": False}, {"gpus": 2}):
+        assert fast_start_compilation(CompilationConfig(), **(on | change)) is None, change
+
+
+def test_fast_start_in_the_front_door(ckpt_factory, monkeypatch):
+    """The front door writes the fast-start fields into the engine args of a LoopSpec engine on CUDA (as
+    if this machine had a GPU), into a copy, not vLLM's default object; on this CPU the engine's
+    compilation mode is a vanilla engine's (the CPU path unchanged)."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vllm_loop import vllm_patches
+
+    path = ckpt_factory("ouro")
+    args = EngineArgs(model=path)
+    before = args.compilation_config
+    one_gpu = NS(tensor_parallel_size=1, pipeline_parallel_size=1)
+    with monkeypatch.context() as m:
+        m.setattr(type(current_platform), "is_cuda", lambda self: True)
+        vllm_patches._fast_start(args, one_gpu)
+        compiled = EngineArgs(model=path, compilation_config={"mode": 3})
+        vllm_patches._fast_start(compiled, one_gpu)
+    assert args.compilation_config.mode == CompilationMode.NONE
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert before.mode is None and before.cudagraph_mode is None
+    assert compiled.compilation_config.mode == CompilationMode.VLLM_COMPILE
+    assert compiled.compilation_config.cudagraph_mode is None
+    cpu = dict(enforce_eager=False)
+    assert _config(path, {"method": "loopspec"}, **cpu).compilation_config.mode == \
+        _config(path, None, **cpu).compilation_config.mode
 
 
 def test_loopspec_needs_a_looped_model(ckpt_factory):

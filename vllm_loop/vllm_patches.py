@@ -635,6 +635,7 @@ def install_loopspec_front_door() -> None:
             self.additional_config = {**(self.additional_config or {}), "loopspec": knobs}
             self.scheduler_cls = loopspec_config.SCHEDULER
             self.async_scheduling = False
+            _fast_start(self, target_parallel_config)
             # Where the engine core publishes LoopSpec counters for this front end's /metrics (an
             # environment variable, not a config field: it must not change vLLM's compile-cache hash).
             os.environ[METRICS_ENV] = os.path.join(tempfile.gettempdir(), f"vllm-loop-{uuid.uuid4().hex[:12]}")
@@ -642,6 +643,31 @@ def install_loopspec_front_door() -> None:
 
     create_speculative_config._vllm_loop = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _fast_start(args, parallel_config) -> None:
+    """A LoopSpec engine without torch.compile unless the user asked for it
+    (``loopspec_config.fast_start_compilation`` says why). Set on ``EngineArgs.compilation_config``,
+    which ``create_engine_config`` reads after it built the speculative config."""
+    import copy
+
+    from vllm.config.vllm import OptimizationLevel
+    from vllm.platforms import current_platform
+
+    from vllm_loop.loopspec.config import fast_start_compilation
+
+    fields = fast_start_compilation(
+        args.compilation_config, enforce_eager=bool(args.enforce_eager),
+        optimization_level_set=args.optimization_level != OptimizationLevel.O2, cuda=current_platform.is_cuda(),
+        gpus=parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size)
+    if fields is None:
+        return
+    args.compilation_config = copy.deepcopy(args.compilation_config)  # not a shared default's
+    for name, value in fields.items():
+        setattr(args.compilation_config, name, value)
+    logger.info("LoopSpec: vLLM's forward runs without torch.compile (its full decode CUDA graphs kept; lane "
+                "steps replay the plugin's own graphs): a start without Dynamo / Inductor. To compile it "
+                "anyway: --compilation-config '{\"mode\": 3}'")
 
 
 def async_blocker(vllm_config) -> str | None:

@@ -33,6 +33,9 @@ the other, see ``runner.py``), ``step_tokens`` (default 16: each request is sche
 many drafts a step, its lane chain padded to it, so a lane step may commit up to 1 + that many tokens
 a request before vLLM's scheduler runs again; 0: the chain alone; at most 256). Both depths omitted:
 the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
+
+Compilation: a LoopSpec engine on one CUDA GPU skips ``torch.compile`` unless the user sets it
+(``fast_start_compilation``).
 """
 
 from __future__ import annotations
@@ -173,6 +176,29 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,
                 "defaults for " + family if config.get("d1") is None else "from --speculative-config")
     return spec, knobs
+
+
+def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_level_set: bool, cuda: bool,
+                           gpus: int) -> dict | None:
+    """The compilation fields a LoopSpec engine gets by default, or None to leave vLLM's.
+
+    Why: a LoopSpec engine decodes in lane steps, which replay the plugin's own CUDA graphs
+    (``lane_graphs.py``) and never call vLLM's forward; that forward serves prefills and the lanes
+    policy's plain steps. Compiling it (Dynamo tracing the T x L unrolled layers, then Inductor) was
+    most of a cold start: on the H200, LoopSpec without it started in 16.2 s on the Huginn-0125 shape
+    (67.8 s compiled), 11.0 s on Ouro-1.4B (44.4 s) and 25.6 s with 128 sequences, at the same speed
+    within run-to-run noise at 1 and 4 requests, and 1.37x / 1.06x vanilla at 64 / 128 requests
+    (benchmarks/RESULTS.md, twenty-second run). vLLM's full decode graphs stay (its plain steps: 0.97x a
+    compiled vanilla engine's). So: no compile, full decode graphs -- only where the user set neither
+    (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no ``--enforce-eager``),
+    on CUDA, with one GPU (lane graphs need it; tensor parallel keeps vLLM's default, not measured)."""
+    unset = compilation.mode is None and compilation.cudagraph_mode is None
+    if not unset or enforce_eager or optimization_level_set or not cuda or gpus != 1:
+        return None
+    from vllm.config import CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+
+    return {"mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY}
 
 
 def knobs(vllm_config) -> dict | None:
