@@ -107,9 +107,9 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3}}
 
 
-def base_system(system: str) -> str:
-    """The system without its compilation suffix."""
-    return next((system.removesuffix(x) for x in COMPILATION if system.endswith(x)), system)
+def split_system(system: str) -> tuple[str, dict | None]:
+    """The system without its compilation suffix, and the suffix's compilation config (None: none)."""
+    return next(((system.removesuffix(x), c) for x, c in COMPILATION.items() if system.endswith(x)), (system, None))
 
 
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
@@ -155,8 +155,7 @@ def _start(args, system: str, max_num_seqs: int):
     gpu = torch.cuda.is_available()
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
-    compilation = next((c for x, c in COMPILATION.items() if system.endswith(x)), None)
-    system = base_system(system)
+    system, compilation = split_system(system)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)
@@ -196,9 +195,9 @@ def _start(args, system: str, max_num_seqs: int):
 
 def worker(args) -> dict:
     """One system: start its engine, measure every concurrency, print one JSON line."""
-    if base_system(args.worker) == "in-tree":
+    if split_system(args.worker)[0] == "in-tree":
         os.environ["VLLM_PLUGINS"] = "none"  # no general plugin: vLLM's own OuroForCausalLM
-    if base_system(args.worker) == "vanilla-v1":
+    if split_system(args.worker)[0] == "vanilla-v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     import torch
     from vllm import SamplingParams
@@ -386,7 +385,7 @@ def main() -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
-    unknown = [x for x in args.systems.split(",") + [args.profile_system] if base_system(x) not in SYSTEMS]
+    unknown = [x for x in args.systems.split(",") + [args.profile_system] if split_system(x)[0] not in SYSTEMS]
     if unknown:
         ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)} "
                  f"(each also as SYSTEM{' or SYSTEM'.join(COMPILATION)})")

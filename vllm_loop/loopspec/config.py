@@ -185,13 +185,11 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     Why: a LoopSpec engine decodes in lane steps, which replay the plugin's own CUDA graphs
     (``lane_graphs.py``) and never call vLLM's forward; that forward serves prefills and the lanes
     policy's plain steps. Compiling it (Dynamo tracing the T x L unrolled layers, then Inductor) was
-    most of a cold start: on the H200, LoopSpec without it started in 16.2 s on the Huginn-0125 shape
-    (67.8 s compiled), 11.0 s on Ouro-1.4B (44.4 s) and 25.6 s with 128 sequences, at the same speed
-    within run-to-run noise at 1 and 4 requests, and 1.37x / 1.06x vanilla at 64 / 128 requests
-    (benchmarks/RESULTS.md, twenty-second run). vLLM's full decode graphs stay (its plain steps: 0.97x a
-    compiled vanilla engine's). So: no compile, full decode graphs -- only where the user set neither
-    (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no ``--enforce-eager``),
-    on CUDA, with one GPU (lane graphs need it; tensor parallel keeps vLLM's default, not measured)."""
+    most of a cold start and bought no measurable speed at 1-4 requests, ~3 % on plain steps (H200,
+    benchmarks/RESULTS.md, twenty-second run). vLLM's full decode graphs stay. Only where the user set
+    neither (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no
+    ``--enforce-eager``), on CUDA, with one GPU (lane graphs need it; tensor parallel keeps vLLM's
+    default, not measured)."""
     unset = compilation.mode is None and compilation.cudagraph_mode is None
     if not unset or enforce_eager or optimization_level_set or not cuda or gpus != 1:
         return None
