@@ -300,10 +300,11 @@ def profile(args) -> None:
     graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
         not kw["enforce_eager"] else "eager"
     attention = llm.collective_rpc(_lane_attention_mode)[0]
+    compilation = llm.llm_engine.vllm_config.compilation_config.mode.name  # a LoopSpec engine's default: NONE
     head = (f"{args.shape}, one request, {PROFILE_PROMPT}-token prompt, 64 tokens, {args.profile_system}: lanes "
             f"on, lane calls {graphs}, lane "
             f"attention {attention}, {'GPU' if gpu else 'CPU'}, "
-            f"{'enforce_eager' if kw['enforce_eager'] else 'compiled'} engine:\n"
+            f"{'enforce_eager' if kw['enforce_eager'] else 'compilation ' + compilation} engine:\n"
             # the benchmark's engines ran before in this run: vLLM's compile caches are warm when one
             # of them had this engine's settings (--systems has --profile-system)
             f"  engine start {startup:.1f} s (after the benchmark's engines; max_num_seqs 4)\n"

@@ -4,8 +4,9 @@
   request's committed prefix from vLLM's paged cache (split over programs) and its uncommitted
   ancestors and itself from the lane pool, with an online softmax, applying RoPE as it loads q and
   k (``vllm_loop/loopspec/lane_kv.py`` has the PyTorch path it is tested against).
-* ``norm_add_norm`` -- ``second(first(x) + residual)`` of two RMSNorms in one kernel: the seams of
-  Ouro's sandwich layers in lane calls.
+* ``norm_add_norm`` -- the seams of sandwich-norm layers, two RMSNorms and the add in one kernel:
+  Ouro's ``second(first(x) + residual)`` and Huginn's ``first(a + x)`` then ``second``, in lane calls
+  and in vLLM's forward when it is not compiled.
 * ``skinny_gemm`` -- ``x @ w.T`` for a few rows, optionally split over K: a candidate for the lanes'
   linear layers that the engine does not use (cuBLAS measured as fast or faster on the H200,
   ``benchmarks/lane_gemm_compare.py``).

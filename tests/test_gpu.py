@@ -31,20 +31,30 @@ def test_plugin_smoke_on_gpu(ckpt_factory):
             stop_llm(llm)
 
 
-def test_ouro_parity_compiled_cuda_graphs(ckpt_factory):
-    """fp32 (Triton attention), vLLM's default compilation and CUDA graphs: greedy tokens equal the
-    reference; logprobs of the chosen tokens within 1e-3."""
+# vLLM's forward compiled (its default) or not (a LoopSpec engine's default on one GPU: eager, full
+# decode graphs, the sandwich seams as this plugin's Triton kernels instead of Inductor's fusions)
+COMPILATION = {"compiled": {}, "nocompile": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}
+
+
+def _check_compilation(llm, compilation: str) -> None:
+    config = llm.llm_engine.vllm_config.compilation_config
+    assert config.mode.name == ("VLLM_COMPILE" if compilation == "compiled" else "NONE"), config.mode
+    assert config.cudagraph_mode.has_full_cudagraphs(), config.cudagraph_mode
+
+
+@pytest.mark.parametrize("compilation", list(COMPILATION))
+def test_ouro_parity_compiled_cuda_graphs(ckpt_factory, compilation):
+    """fp32 (Triton attention), vLLM's default compilation (or none) and CUDA graphs: greedy tokens
+    equal the reference; logprobs of the chosen tokens within 1e-3."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
-    from vllm.config import CompilationMode
 
     from vllm_loop.reference import load_reference
 
     path = ckpt_factory("ouro")
-    llm = start_llm(path)
+    llm = start_llm(path, **COMPILATION[compilation])
     try:
-        compilation = llm.llm_engine.vllm_config.compilation_config
-        assert compilation.mode == CompilationMode.VLLM_COMPILE and compilation.cudagraph_mode.has_full_cudagraphs()
+        _check_compilation(llm, compilation)
         tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
         prompts = [tok(p).input_ids for p in PROMPTS]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -58,7 +68,7 @@ def test_ouro_parity_compiled_cuda_graphs(ckpt_factory):
             for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
                 worst = max(worst, abs(lp[t].logprob - want[i, t].item()))
         assert worst < 1e-3, worst
-        print(f"GPU Ouro parity: 8 prompts x 32 tokens identical; max |logprob diff| = {worst:.2e}")
+        print(f"GPU Ouro parity ({compilation}): 8 prompts x 32 tokens identical; max |logprob diff| = {worst:.2e}")
     finally:
         stop_llm(llm)
 
@@ -66,22 +76,21 @@ def test_ouro_parity_compiled_cuda_graphs(ckpt_factory):
 RAVEN_LAYOUTS = ["huginn", "llama", "olmo2"]
 
 
+@pytest.mark.parametrize("compilation", list(COMPILATION))
 @pytest.mark.parametrize("layout", RAVEN_LAYOUTS)
-def test_raven_parity_compiled_cuda_graphs(ckpt_factory, layout):
+def test_raven_parity_compiled_cuda_graphs(ckpt_factory, layout, compilation):
     """Huginn-0125 and the retrofitted Raven layouts (Llama, OLMo-2) in fp32 (Triton attention)
-    under vLLM's default compilation and full CUDA graphs: prelude, T core steps and coda banks;
-    greedy tokens equal the reference, logprobs of the chosen tokens within 1e-3."""
+    under vLLM's default compilation (or none) and full CUDA graphs: prelude, T core steps and coda
+    banks; greedy tokens equal the reference, logprobs of the chosen tokens within 1e-3."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
-    from vllm.config import CompilationMode
 
     from vllm_loop.reference import load_reference
 
     path = ckpt_factory("huginn_raven", options={"layout": layout, "state_init": "seeded"})
-    llm = start_llm(path)
+    llm = start_llm(path, **COMPILATION[compilation])
     try:
-        compilation = llm.llm_engine.vllm_config.compilation_config
-        assert compilation.mode == CompilationMode.VLLM_COMPILE and compilation.cudagraph_mode.has_full_cudagraphs()
+        _check_compilation(llm, compilation)
         tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
         prompts = [tok(p).input_ids for p in PROMPTS]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -95,7 +104,7 @@ def test_raven_parity_compiled_cuda_graphs(ckpt_factory, layout):
             for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
                 worst = max(worst, abs(lp[t].logprob - want[i, t].item()))
         assert worst < 1e-3, worst
-        print(f"GPU Raven {layout} parity (T={ref.depth}): {len(prompts)} prompts x 32 tokens identical; "
+        print(f"GPU Raven {layout} parity ({compilation}, T={ref.depth}): {len(prompts)} prompts x 32 tokens identical; "
               f"max |logprob diff| = {worst:.2e}")
     finally:
         stop_llm(llm)
@@ -208,7 +217,7 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled=True)
 
 
-@pytest.mark.parametrize("name", ["huginn-R32-1:5"])
+@pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2"])
 def test_loopspec_greedy_identity_nocompile(ckpt_factory, name):
     """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
     FULL_DECODE_ONLY: no Dynamo / Inductor at start-up; vLLM's forward eager with its full decode
@@ -459,11 +468,13 @@ def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_triton_norm_add_norm_on_gpu(dtype):
-    """The compiled kernel against vLLM's native norms at Ouro-1.4B's width (the CPU test runs it
-    interpreted)."""
-    from test_lane_kernels import BF16_NORM_TOL, compare_norm_add_norm
+    """The compiled seam kernels against vLLM's native norms at Ouro-1.4B's and Huginn-0125's widths
+    (the CPU test runs them interpreted)."""
+    from test_lane_kernels import BF16_NORM_TOL, compare_add_norm_norm, compare_norm_add_norm
 
-    compare_norm_add_norm("cuda", dtype, H=2048, tol=1e-5 if dtype == torch.float32 else BF16_NORM_TOL)
+    tol = 1e-5 if dtype == torch.float32 else BF16_NORM_TOL
+    compare_norm_add_norm("cuda", dtype, H=2048, tol=tol)
+    compare_add_norm_norm("cuda", dtype, H=5280, tol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

@@ -168,13 +168,25 @@ def compare_norm_add_norm(device: str, dtype, H: int = 96, tol: float = 1e-6):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def compare_add_norm_norm(device: str, dtype, H: int = 96, tol: float = 1e-6):
+    """Huginn's seam against vLLM's native norms and PyTorch's add."""
+    from vllm_loop_kernels.norm_add_norm import add_norm_norm
+
+    first, second, a, x = norm_add_norm_case(device, dtype, H=H, seed=1)
+    want_x = first.forward_native(a + x)
+    want_h = second.forward_native(want_x)
+    got_x, got_h = add_norm_norm(a, x, first.weight, first.variance_epsilon, second.weight, second.variance_epsilon)
+    torch.testing.assert_close(got_x, want_x, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_h, want_h, atol=tol, rtol=tol)
+
+
 def test_triton_norm_add_norm_equals_vllms_norms():
-    """Ouro's seam between sublayers (norm -> add -> norm) in one kernel, interpreted: fp32 and bf16,
-    a width that is not a power of two."""
+    """The sandwich seams in one kernel each, interpreted: Ouro's (norm -> add -> norm) and Huginn's
+    (add -> norm -> norm); fp32 and bf16, a width that is not a power of two."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "norms"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("NORMS OK") == 2, proc.stdout
+    assert proc.stdout.count("NORMS OK") == 4, proc.stdout
 
 
 def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (40, 20, 1100))):
@@ -254,7 +266,9 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
     if sys.argv[1:2] == ["norms"]:
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, BF16_NORM_TOL)):
             compare_norm_add_norm("cpu", dtype, tol=tol)
-            print(f"NORMS OK {dtype}", flush=True)
+            print(f"NORMS OK norm_add_norm {dtype}", flush=True)
+            compare_add_norm_norm("cpu", dtype, tol=tol)
+            print(f"NORMS OK add_norm_norm {dtype}", flush=True)
         sys.exit(0)
     from vllm_loop_kernels.lane_attention import lane_attention
 

@@ -46,17 +46,36 @@ def lane_attention(attend: Callable):
         _lane_attention = previous
 
 
+def _fused_seam(x: torch.Tensor, *norms: nn.Module) -> bool:
+    """Whether a sandwich seam runs as one Triton kernel (``kernels/norm_add_norm.py``): on CUDA and
+    outside torch.compile, i.e. in lane calls and in vLLM's forward when it is not compiled (a
+    LoopSpec engine's default on one GPU), where nothing else fuses the norms; a compiled forward
+    traces the plain norms for Inductor to fuse (and the CPU runs them as written)."""
+    return x.is_cuda and not torch.compiler.is_compiling() and all(
+        getattr(m, "has_weight", False) and m.variance_size_override is None for m in norms)
+
+
 def norm_add_norm(first: nn.Module, second: nn.Module, x: torch.Tensor,
                   residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``second(first(x), residual)`` of two vLLM ``RMSNorm``s: the normed sum and the new residual.
-    In a lane call on CUDA one Triton kernel (``kernels/norm_add_norm.py``): lane calls run outside
-    vLLM's compiled forward, where Inductor would have fused the pair."""
-    if _lane_attention is not None and x.is_cuda and all(
-            getattr(m, "has_weight", False) and m.variance_size_override is None for m in (first, second)):
+    """``second(first(x), residual)`` of two vLLM ``RMSNorm``s: the normed sum and the new residual
+    (Ouro's seams)."""
+    if _fused_seam(x, first, second):
         from vllm_loop_kernels.norm_add_norm import norm_add_norm as fused
 
         return fused(x, residual, first.weight, first.variance_epsilon, second.weight, second.variance_epsilon)
     return second(first(x), residual)
+
+
+def add_norm_norm(first: nn.Module, second: nn.Module, a: torch.Tensor,
+                  x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = first(a + x)`` and ``second(y)`` of two vLLM ``RMSNorm``s (Huginn's seams: the stream
+    is normed after each add, then normed again as the next sublayer's input)."""
+    if _fused_seam(x, first, second):
+        from vllm_loop_kernels.norm_add_norm import add_norm_norm as fused
+
+        return fused(a, x, first.weight, first.variance_epsilon, second.weight, second.variance_epsilon)
+    y = first(a + x)
+    return y, second(y)
 
 
 def bank_prefix(bank: int) -> str:

@@ -2,8 +2,9 @@
 
 prelude blocks -> state init -> T x [adapter(cat[state, prelude_out]) -> core blocks] -> coda -> head.
 KV banks: prelude l -> l; core depth t, block l -> P + t*C + l; coda (per readout depth) after them
-(see ``BankLayout``). The three block layouts differ only inside ``RavenBlock`` and in whether
-``ln_f`` also runs before the coda (Huginn does, the retrofits do not).
+(see ``BankLayout``). The three block layouts differ only inside ``RavenBlock`` (and ``blocks``,
+which joins Huginn's sandwich seams across blocks) and in whether ``ln_f`` also runs before the coda
+(Huginn does, the retrofits do not).
 
 The initial recurrent state follows ``state_init``: ``like-init`` (Huginn's default: a fresh
 truncated normal draw per forward), ``zero``, or ``seeded`` (the same distribution, but a pure
@@ -27,7 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm_loop.configs.raven import raven_embed_scale, raven_layout, raven_rope
 from vllm_loop.looped import BankLayout, check_depth, seeded_state
 from vllm_loop.loopspec.config import readout_depths as loopspec_readout_depths
-from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, load_named_weights
+from vllm_loop.models.layers import BankedAttention, GatedMLP, LoopedForCausalLM, add_norm_norm, load_named_weights
 from vllm_loop.models.readouts import ReadoutRecorder, parse_readout_depths
 
 
@@ -63,14 +64,27 @@ class RavenBlock(nn.Module):
             self.norm_4 = RMSNorm(H, eps=eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, bank: int) -> torch.Tensor:
-        if self.layout == "huginn":  # sandwich: norm after each residual add
-            x = self.norm_2(self.attn(positions, self.norm_1(x), bank) + x)
-            return self.norm_4(self.mlp(self.norm_3(x)) + x)
+        if self.layout == "huginn":  # (a stack of them runs through ``sandwich``, which fuses the seams)
+            x, pending = self.sandwich(positions, x, None, bank, None)
+            return self.norm_4(pending + x)
         if self.layout == "llama":  # pre-norm
             x = x + self.attn(positions, self.norm_1(x), bank)
             return x + self.mlp(self.norm_2(x))
         x = x + self.norm_1(self.attn(positions, x, bank))  # olmo2: post-norm
         return x + self.norm_2(self.mlp(x))
+
+    def sandwich(self, positions: torch.Tensor, x: torch.Tensor, pending: torch.Tensor | None, bank,
+                 before: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Huginn's block, ``x = norm_2(attn(norm_1(x)) + x)``, ``x = norm_4(mlp(norm_3(x)) + x)``, with
+        its last add and norm left to the caller: returns ``(x, mlp output)``. ``pending``: the block
+        before's MLP output, not yet added (its ``norm_4`` is ``before``), or None. So every seam
+        (add, the norm that closes a sublayer, the norm that opens the next) is one ``add_norm_norm``."""
+        if pending is None:
+            h = self.norm_1(x)
+        else:
+            x, h = add_norm_norm(before, self.norm_1, pending, x)
+        x, h = add_norm_norm(self.norm_2, self.norm_3, self.attn(positions, h, bank), x)
+        return x, self.mlp(h)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
@@ -126,10 +140,20 @@ class RavenModel(nn.Module):
     # The three pieces of a looped model (see vllm_loop/looped.py).
     def pre(self, positions: torch.Tensor, embeds: torch.Tensor, bank: int | torch.Tensor = 0):
         """-> (initial state, prelude output that every core step re-injects)."""
-        e = embeds * self.embed_scale
-        for l, blk in enumerate(self.prelude):
-            e = blk(positions, e, bank)
+        e = self.blocks(self.prelude, positions, embeds * self.embed_scale, bank)
         return self.initial_state(positions, e), e
+
+    def blocks(self, stack: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor, bank) -> torch.Tensor:
+        """``x`` through the blocks of ``stack`` at KV bank ``bank`` (one per row in lane calls)."""
+        if self.block_layout != "huginn":
+            for blk in stack:
+                x = blk(positions, x, bank)
+            return x
+        pending, before = None, None
+        for blk in stack:
+            x, pending = blk.sandwich(positions, x, pending, bank, before)
+            before = blk.norm_4
+        return x if before is None else before(pending + x)
 
     def initial_state(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         std = self.state_std
@@ -146,9 +170,7 @@ class RavenModel(nn.Module):
 
     def core_step(self, positions: torch.Tensor, x: torch.Tensor, inject: torch.Tensor, t: int | torch.Tensor):
         x, _ = self.adapter(torch.cat([x, inject], dim=-1))
-        for blk in self.core_block:
-            x = blk(positions, x, t)
-        return x
+        return self.blocks(self.core_block, positions, x, t)
 
     def post(self, positions: torch.Tensor, x: torch.Tensor, r: int | torch.Tensor) -> torch.Tensor:
         """Readout at depth r up to the LM head: [ln_f (Huginn)] -> coda (depth-r banks) -> ln_f.
@@ -156,9 +178,7 @@ class RavenModel(nn.Module):
         if self.block_layout == "huginn":
             x = self.ln_f(x)
         k = self.coda_index[r] if isinstance(r, torch.Tensor) else self.layout.coda_depths.index(r)
-        for blk in self.coda:
-            x = blk(positions, x, k)
-        return self.ln_f(x)
+        return self.ln_f(self.blocks(self.coda, positions, x, k))
 
     # LoopSpec lanes: the state is [x | inject] (the prelude output travels with the lane).
     @property
