@@ -202,7 +202,7 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     """A lane step that captured a lane CUDA graph, and the last step of a pipelined run (no time
     given), are not throughput samples; an ordinary lane or plain decode step is; a lane step in
     which most rows had just started their lanes is a warm-up, and so is a plain step right after a
-    lanes-mode step."""
+    lanes-mode step. A sample carries its rows' mean context (for the policy's log line)."""
     from types import SimpleNamespace
 
     from vllm_loop.loopspec.metrics import EngineCounters
@@ -210,12 +210,14 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
 
     def so(lanes: bool):
         return SimpleNamespace(loopspec_lanes=lanes, num_scheduled_tokens={"a": 1, "b": 1}, scheduled_new_reqs=[],
-                               scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
+                               scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(),
+                                                                     num_computed_tokens=[300, 500]),
                                scheduled_spec_decode_tokens={})
 
     out = SimpleNamespace(sampled_token_ids=[[1, 2], [3]])
     lane_step = EngineCounters(lane_steps=1)
-    assert step_sample(so(True), out, lane_step, 0.01) == StepSample(lanes=True, rows=2, tokens=3, seconds=0.01)
+    assert step_sample(so(True), out, lane_step, 0.01) == StepSample(lanes=True, rows=2, tokens=3, seconds=0.01,
+                                                                      context=400.0)
     assert step_sample(so(True), out, EngineCounters(lane_steps=1, graph_captures=2), 0.01) is None
     assert step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=2), 0.01).warmup
     assert not step_sample(so(True), out, EngineCounters(lane_steps=1, warmup_rows=1), 0.01).warmup

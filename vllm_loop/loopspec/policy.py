@@ -74,12 +74,14 @@ class StepSample:
     tokens: int
     seconds: float
     warmup: bool = False
+    context: float = 0.0  # the rows' mean committed positions (for the log: both modes slow down with it)
 
 
 @dataclass
 class _Bucket:
     rate: dict[bool, float] = field(default_factory=dict)  # lanes? -> tokens/s (moving average)
     step_s: dict[bool, float] = field(default_factory=dict)  # lanes? -> seconds per step (moving average)
+    context: dict[bool, float] = field(default_factory=dict)  # lanes? -> mean context of its last rated sample
     seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # samples in this trial
     # mode -> its rate comes from a steady (not warm-up) sample of this trial
     steady: dict[bool, bool] = field(default_factory=lambda: {True: False, False: False})
@@ -145,8 +147,9 @@ class LanePolicy:
     def _log(rows: int, b: _Bucket, what: str, when: str) -> None:
         """One line per choice that changes and per re-check (rare: the engine log then shows why a
         bucket ran what it ran)."""
-        logger.info("LoopSpec lanes policy, %d requests (bucket %d): %s (lanes %.0f, plain %.0f tokens/s); %s",
-                    rows, bucket_of(rows), what, b.rate.get(True, 0.0), b.rate.get(False, 0.0), when)
+        logger.info("LoopSpec lanes policy, %d requests (bucket %d): %s (lanes %.0f, plain %.0f tokens/s, measured "
+                    "at %.0f / %.0f positions a request); %s", rows, bucket_of(rows), what, b.rate.get(True, 0.0),
+                    b.rate.get(False, 0.0), b.context.get(True, 0.0), b.context.get(False, 0.0), when)
 
     def wait(self, b: _Bucket, best: bool) -> int:
         """Decisions until the next re-check of the mode that is not ``best``: ``recheck``, or more
@@ -178,6 +181,7 @@ class LanePolicy:
         for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
             old = values.get(mode)
             values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
+        b.context[mode] = sample.context
         # clearly the slower: its trial ends here (not on a warm-up, which is slow whatever lanes can do)
         if fresh and not sample.warmup and rate < EARLY_END * b.rate.get(not mode, 0.0):
             b.seen[mode] = max(b.seen[mode], self.trial)

@@ -80,8 +80,10 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None,
         return None
     tokens = sum(len(t) for t in output.sampled_token_ids)
     rows = len(so.num_scheduled_tokens)
+    computed = so.scheduled_cached_reqs.num_computed_tokens
     return StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=seconds,
-                      warmup=2 * step.warmup_rows > rows if lanes else after_lanes)
+                      warmup=2 * step.warmup_rows > rows if lanes else after_lanes,
+                      context=sum(computed) / len(computed) if computed else 0.0)
 
 
 # The engine core publishes its LoopSpec totals to a file the front end's /metrics reads. Writing it
