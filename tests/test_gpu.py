@@ -31,9 +31,12 @@ def test_plugin_smoke_on_gpu(ckpt_factory):
             stop_llm(llm)
 
 
-# vLLM's forward compiled (its default) or not (a LoopSpec engine's default on one GPU: eager, full
+# vLLM's forward compiled (a vanilla engine's default, asked for by name: a LoopSpec engine skips it by
+# default, config.fast_start_compilation) or not (a LoopSpec engine's default on one GPU: eager, full
 # decode graphs, the sandwich seams as this plugin's Triton kernels instead of Inductor's fusions)
-COMPILATION = {"compiled": {}, "nocompile": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}
+COMPILATION = {"compiled": {"compilation_config": {"mode": 3}},
+               "nocompile": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}
+COMPILED = COMPILATION["compiled"]
 
 
 def _check_compilation(llm, compilation: str) -> None:
@@ -194,10 +197,6 @@ LANE_GRAPHS = [("ouro-1:2", "auto", "torch", "auto"), ("ouro-agree-1:2", "auto",
                ("raven-olmo2-R32-2:8", "auto", "triton", "auto"), ("ouro-agree-1:2", "auto", "triton", "off"),
                ("ouro-agree-1:2-chain", "auto", "triton", "auto"), ("huginn-R32-1:5", "auto", "triton", "auto"),
                ("huginn-R32-1:5-late", "auto", "triton", "auto")]
-
-
-# vLLM's torch.compile asked for by name: a LoopSpec engine skips it by default (config.fast_start_compilation)
-COMPILED = {"compilation_config": {"mode": 3}}
 
 
 def _captured_lane_graphs(worker) -> int:

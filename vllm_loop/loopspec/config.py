@@ -185,8 +185,9 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     Why: a LoopSpec engine decodes in lane steps, which replay the plugin's own CUDA graphs
     (``lane_graphs.py``) and never call vLLM's forward; that forward serves prefills and the lanes
     policy's plain steps. Compiling it (Dynamo tracing the T x L unrolled layers, then Inductor) was
-    most of a cold start and bought no measurable speed at 1-4 requests, ~3 % on plain steps (H200,
-    benchmarks/RESULTS.md, twenty-second run). vLLM's full decode graphs stay. Only where the user set
+    most of a cold start and bought no measurable speed at 1-4 requests (H200, benchmarks/RESULTS.md,
+    twenty-second run); plain steps without it run the sandwich seams as the plugin's kernels
+    (``layers._fused_seam``). vLLM's full decode graphs stay. Only where the user set
     neither (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no
     ``--enforce-eager``), on CUDA, with one GPU (lane graphs need it; tensor parallel keeps vLLM's
     default, not measured)."""
