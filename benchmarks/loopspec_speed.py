@@ -56,7 +56,7 @@ c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), 
 commits per R recurrent steps), the commit shares and the lanes per recurrent step. Every ratio is
 taken against ``vanilla`` from the same run. Writes the JSON and, beside it, a PNG (tok/s vs
 concurrency, one line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine (lanes on, in-process)
-decodes one request under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
+decodes one request (``--profile-requests N``: N at once) under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
 
     python benchmarks/loopspec_speed.py --shape ouro-1.4b --concurrency 1 4 \\
         --out benchmarks/results/loopspec-speed-ouro-1.4b-h200.json
@@ -259,10 +259,11 @@ PROFILE_PROMPT = 320
 
 
 def profile(args) -> None:
-    """One request (a ``PROFILE_PROMPT``-token prompt) decodes 64 tokens with lanes on (engine in this
-    process): once plainly timed, once under ``torch.profiler``: ms per recurrent step, GPU kernel time
-    per step, against the floor of one pass over the shared block's weights at the H200's nominal
-    4.8 TB/s; the op table."""
+    """``--profile-requests`` requests (default one; ``PROFILE_PROMPT``-token prompts) decode 64 tokens
+    each with lanes on (engine in this process): once plainly timed, once under ``torch.profiler``: ms
+    per recurrent step, GPU kernel time per step, against the floor of one pass over the shared block's
+    weights at the H200's nominal 4.8 TB/s; the runner's host ranges; the op table. Many requests show
+    whether a lane step waits for the host (its per-request decisions) or for the GPU."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -271,9 +272,10 @@ def profile(args) -> None:
     from vllm_loop.loopspec.stat_logger import engine_totals
 
     gpu = torch.cuda.is_available()
-    llm, kw, cfg, R, startup = _start(args, args.profile_system, max_num_seqs=4)
+    n = args.profile_requests
+    llm, kw, cfg, R, startup = _start(args, args.profile_system, max_num_seqs=max(4, n))
     sp = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0, detokenize=False)
-    prompt = _prompts(1, cfg["vocab_size"], length=PROFILE_PROMPT)
+    prompt = _prompts(n, cfg["vocab_size"], length=PROFILE_PROMPT)
     llm.generate(prompt, sp, use_tqdm=False)  # warm-up (and lane graph capture)
     before = engine_totals()
     t = time.perf_counter()
@@ -301,13 +303,14 @@ def profile(args) -> None:
         not kw["enforce_eager"] else "eager"
     attention = llm.collective_rpc(_lane_attention_mode)[0]
     compilation = llm.llm_engine.vllm_config.compilation_config.mode.name  # a LoopSpec engine's default: NONE
-    head = (f"{args.shape}, one request, {PROFILE_PROMPT}-token prompt, 64 tokens, {args.profile_system}: lanes "
+    head = (f"{args.shape}, {'one request' if n == 1 else f'{n} requests'}, {PROFILE_PROMPT}-token prompt"
+            f"{'' if n == 1 else 's'}, 64 tokens, {args.profile_system}: lanes "
             f"on, lane calls {graphs}, lane "
             f"attention {attention}, {'GPU' if gpu else 'CPU'}, "
             f"{'enforce_eager' if kw['enforce_eager'] else 'compilation ' + compilation} engine:\n"
             # the benchmark's engines ran before in this run: vLLM's compile caches are warm when one
             # of them had this engine's settings (--systems has --profile-system)
-            f"  engine start {startup:.1f} s (after the benchmark's engines; max_num_seqs 4)\n"
+            f"  engine start {startup:.1f} s (after the benchmark's engines; max_num_seqs {max(4, n)})\n"
             f"  unprofiled: {plain * 1000:.1f} ms, {d_plain.recurrent_steps} recurrent steps, "
             f"{plain * 1000 / max(d_plain.recurrent_steps, 1):.2f} ms per recurrent step (whole engine time / steps)\n"
             f"  profiled: {wall * 1000:.1f} ms wall, {d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps, "
@@ -359,6 +362,7 @@ def main() -> int:
                     help="comma-separated: " + ", ".join(SYSTEMS))
     ap.add_argument("--profile", action="store_true", help="also profile lane steps (torch.profiler)")
     ap.add_argument("--profile-system", default="loopspec", help="the LoopSpec system --profile runs")
+    ap.add_argument("--profile-requests", type=int, default=1, help="requests the --profile run decodes at once")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="heldout: held-out corpus lines (for trained checkpoints)")
@@ -467,7 +471,7 @@ def main() -> int:
     if args.profile:
         cmd = [sys.executable, __file__, "--worker", "profile", "--shape", args.shape, "--spec", args.spec,
                "--checkpoint", args.checkpoint, "--dtype", args.dtype, "--out", args.out, "--eager", args.eager,
-               "--profile-system", args.profile_system] + schedule_args
+               "--profile-system", args.profile_system, "--profile-requests", str(args.profile_requests)] + schedule_args
         proc = subprocess.run(cmd, capture_output=True, text=True)
         Path(args.out).with_suffix(".profile.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:

@@ -138,10 +138,16 @@ def test_async_loopspec_greedy_equals_reference(case, ckpt_factory):
 
 
 @pytest.mark.engine
-def test_async_aborts_and_preemption_leave_nothing_behind(ckpt_factory):
+def test_async_aborts_and_preemption_leave_nothing_behind(ckpt_factory, tmp_path, monkeypatch):
+    """... and the policy trace (``VLLM_LOOP_POLICY_TRACE``) has a line per step, in which a plain step
+    is a throughput sample only where the batch did not change."""
+    import json
+
+    from vllm_loop.loopspec.scheduler import TRACE_ENV
     from vllm_loop.testing.engines import greedy_jobs as jobs_of
 
     path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"}, mean_recurrence=8)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace.jsonl"))
     llm = _engine(path, {"method": "loopspec", "d1": 2, "d2": 4}, "LLLLPPPPP", num_gpu_blocks_override=12)
     jobs = jobs_of(seed=3, aborts=4)
     try:
@@ -149,6 +155,11 @@ def test_async_aborts_and_preemption_leave_nothing_behind(ckpt_factory):
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
         stop_llm(llm)
+    trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert sum(t["lanes"] for t in trace) >= totals.lane_steps and sum(t["arrivals"] for t in trace) == len(jobs)
+    plain = [(before["rows"], t) for before, t in zip(trace, trace[1:]) if not t["lanes"] and t["scheduled"] == t["rows"]]
+    assert all(rows == t["rows"] for rows, t in plain if t["sample"]) and any(t["sample"] for _, t in plain)
+    assert any(rows != t["rows"] and not t["sample"] for rows, t in plain)  # the batch changed: no sample
     assert preemptions > 0, "the small KV cache must force preemption"
     assert any(len(got[j.request_id]) < j.params.max_tokens for j in jobs if j.abort_at is not None)
     _check(path, jobs, got)

@@ -202,7 +202,8 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     """A lane step that captured a lane CUDA graph, and the last step of a pipelined run (no time
     given), are not throughput samples; an ordinary lane or plain decode step is; a lane step in
     which most rows had just started their lanes is a warm-up, and so is a plain step right after a
-    lanes-mode step. A sample carries its rows' mean context (for the policy's log line)."""
+    lanes-mode step. A plain step in a batch that changes (a request left, joined or finished in its
+    update) is not one either. A sample carries its rows' mean context (for the policy's log line)."""
     from types import SimpleNamespace
 
     from vllm_loop.loopspec.metrics import EngineCounters
@@ -227,6 +228,11 @@ def test_steps_that_say_nothing_about_a_mode_give_no_sample():
     assert step_sample(so(False), plain_out, None, 0.01, after_lanes=True).warmup  # right after a lane step
     assert not step_sample(so(True), out, lane_step, 0.01, after_lanes=True).warmup
     assert step_sample(so(False), out, None, None) is None
+    # the batch changes: a plain step's pipelined interval is not its own (a lane step's is)
+    assert step_sample(so(False), plain_out, None, 0.01, rows_before=2) is not None
+    assert step_sample(so(False), plain_out, None, 0.01, rows_before=3) is None  # a request left or joined
+    assert step_sample(so(False), plain_out, None, 0.01, finishes=True) is None  # its update finished one
+    assert step_sample(so(True), out, lane_step, 0.01, rows_before=3, finishes=True) is not None
 
 
 def test_lanes_must_beat_plain_by_a_margin():

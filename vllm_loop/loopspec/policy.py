@@ -26,6 +26,9 @@ the re-check budget pays -- unless a trial saw nothing else. A trial whose first
 clearly slower than the other mode ends there. (Before plain steps had warm-ups, a plain trial after
 lanes could end on its slow first step, and plain's rate stayed that step's: the likely reason lanes
 ran 141 of 259 steps at 64 requests on the H200 while losing, benchmarks/RESULTS.md, twelfth run.)
+Plain steps are samples only in a batch that does not change (``scheduler.step_sample``): a plain
+trial at the end of a short run once ended on the step whose update finished requests, at a third of
+plain's steady rate, and lanes ran a whole 64-request case on that figure (twenty-fourth run).
 
 The choice changes only on rates measured side by side (a trial or re-check), because both modes
 slow down as contexts grow: when running lanes fall below plain's older rate, plain is re-checked at
