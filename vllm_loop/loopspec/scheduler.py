@@ -92,10 +92,15 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None,
         return None
     tokens = sum(len(t) for t in output.sampled_token_ids)
     rows = len(so.num_scheduled_tokens)
-    computed = so.scheduled_cached_reqs.num_computed_tokens
     return StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=seconds,
                       warmup=2 * step.warmup_rows > rows if lanes else after_lanes,
-                      context=sum(computed) / len(computed) if computed else 0.0)
+                      context=mean_context(so))
+
+
+def mean_context(so) -> float:
+    """The scheduled running requests' mean committed positions (both modes slow down with it)."""
+    computed = so.scheduled_cached_reqs.num_computed_tokens
+    return sum(computed) / len(computed) if computed else 0.0
 
 
 # The engine core publishes its LoopSpec totals to a file the front end's /metrics reads. Writing it
@@ -128,10 +133,13 @@ class LoopSpecScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         start = time.perf_counter()
         so = super().schedule(*args, **kwargs)
-        so.loopspec_lanes = self.lane_policy.lanes(len(so.num_scheduled_tokens))
-        so.loopspec_start = start
-        so.loopspec_arrivals, self._arrivals = self._arrivals, 0
+        self._stamp(so, self.lane_policy.lanes(len(so.num_scheduled_tokens)), start)
         return so
+
+    def _stamp(self, so, lanes: bool, start: float) -> None:
+        """What the step carries to its update: its mode, when it was scheduled, the arrivals before it."""
+        so.loopspec_lanes, so.loopspec_start = lanes, start
+        so.loopspec_arrivals, self._arrivals = self._arrivals, 0
 
     def update_from_output(self, scheduler_output, model_runner_output):
         step = self._loopspec_step = getattr(model_runner_output, "loopspec", None)
@@ -158,7 +166,6 @@ class LoopSpecScheduler(Scheduler):
         return outputs
 
     def _write_trace(self, so, output, seconds, sample) -> None:
-        computed = so.scheduled_cached_reqs.num_computed_tokens
         sampled = getattr(output, "sampled_token_ids", None) or []
         self._trace.write(json.dumps({
             "t": round(time.perf_counter(), 6), "lanes": getattr(so, "loopspec_lanes", True),
@@ -167,7 +174,7 @@ class LoopSpecScheduler(Scheduler):
             "arrivals": getattr(so, "loopspec_arrivals", 0), "waiting": len(self.waiting),
             "finished": len(so.finished_req_ids), "seconds": seconds and round(seconds, 6),
             "sample": sample is not None, "warmup": bool(sample and sample.warmup),
-            "context": round(sum(computed) / len(computed), 1) if computed else 0.0,
+            "context": round(mean_context(so), 1),
             "rates": self.lane_policy.describe()}) + "\n")
 
     def _step_seconds(self, scheduler_output) -> float | None:
@@ -220,8 +227,8 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
 
     def _next_is_lanes(self) -> bool:
         """Decided before the step is scheduled, for the rows it will likely have: the running requests
-        and the waiting ones that fit (the running ones alone would ask bucket 1 for a step that
-        admits a whole batch: lanes started for 128 new requests and dropped a step later)."""
+        and the waiting ones that fit (the running ones alone asked bucket 8 for a step that admitted
+        121 more requests: lanes started for all 128 and dropped a step later, twenty-fourth run)."""
         if self._wanted is None:
             rows = min(len(self.running) + len(self.waiting), self.max_num_running_reqs)
             self._wanted = self.lane_policy.lanes(max(1, rows))
@@ -251,8 +258,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
                 so = Scheduler.schedule(self, *args, **kwargs)
             finally:
                 self.num_spec_tokens = k
-        so.loopspec_lanes, so.loopspec_start = lanes, start
-        so.loopspec_arrivals, self._arrivals = self._arrivals, 0
+        self._stamp(so, lanes, start)
         if so.total_num_scheduled_tokens > 0:
             self.loopspec_totals.pipelined_steps += bool(self._in_flight)
             self.loopspec_totals.drains += lanes and self._drained
