@@ -54,7 +54,7 @@ For each concurrency c: c requests with 32-token prompts, greedy (or ``--tempera
 c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
 ``--runs``. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
 commits per R recurrent steps), the commit shares and the lanes per recurrent step. Every ratio is
-taken against ``vanilla`` from the same run. Writes the JSON and, beside it, a PNG (tok/s vs
+taken against ``vanilla`` from the same run, and against ``in-tree`` too when it ran (``speedup_vs_in_tree``). Writes the JSON and, beside it, a PNG (tok/s vs
 concurrency, one line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine (lanes on, in-process)
 decodes one request (``--profile-requests N``: N at once) under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
 
@@ -330,6 +330,48 @@ def profile(args) -> None:
     print(head, flush=True)
 
 
+def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
+    """One row per (system, concurrency) from the workers' results: tok/s, the ratios against
+    ``vanilla`` and, when it ran, against ``in-tree`` (issue 10's Ouro targets are stated against
+    vLLM's own OuroForCausalLM), the short-run flag, and a LoopSpec engine's counters per long run."""
+    base = {r["concurrency"]: r for r in results["vanilla"]["rows"]} if "vanilla" in results else {}
+    in_tree = {r["concurrency"]: r for r in results["in-tree"]["rows"]} if "in-tree" in results else {}
+    table = []
+    for system, res in results.items():
+        for r in res["rows"]:
+            row = {"system": system, "concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1),
+                   "ms_per_token_per_request": round(r["ms_per_token_per_request"], 3)}
+            if r["concurrency"] in base:
+                b = base[r["concurrency"]]
+                row["speedup_vs_vanilla"] = round(r["tok_s"] / b["tok_s"], 3)
+                # the long runs alone (prefill included): a cross-check of the difference above
+                row["long_run_speedup"] = round(b["t_long_s"] / r["t_long_s"], 3)
+                same = sum(x == y for x, y in zip(r["tokens"], b["tokens"]))
+                row["same_tokens_as_vanilla"] = f"{same}/{len(b['tokens'])} requests"
+            if r["concurrency"] in in_tree and system != "in-tree":
+                b = in_tree[r["concurrency"]]
+                row["speedup_vs_in_tree"] = round(r["tok_s"] / b["tok_s"], 3)
+                row["long_run_speedup_vs_in_tree"] = round(b["t_long_s"] / r["t_long_s"], 3)
+            if r["t_short_s"] / SHORT > 1.5 * r["t_long_s"] / LONG:
+                # a short run slower per token than the long one (e.g. a one-off stall in it) inflates
+                # tok_s, which is the difference of the two: trust long_run_speedup for this row
+                row["short_run_outlier"] = True
+            if "loopspec" in r:
+                ls, n = r["loopspec"], r["loopspec"]["counters"]
+                row |= {"gamma": round(ls["gamma"], 3), "first": round(ls["shares"]["first"], 3),
+                        "second": round(ls["shares"]["second"], 3), "late": round(ls["shares"]["late"], 3),
+                        "full": round(ls["shares"]["full"], 3),
+                        "lanes_per_step": round(ls["lanes_per_step"], 2),
+                        # per long run: where a LoopSpec engine's steps went
+                        "lane_steps": n["lane_steps"] / runs, "plain_steps": n["plain_steps"] / runs,
+                        "drains": n["drains"] / runs, "recurrent_steps": n["recurrent_steps"] / runs,
+                        "overlap_wasted": n["overlap_wasted"] / runs,
+                        "overlap_lagged": n["overlap_lagged"] / runs,
+                        "lane_step_s": round(n["lane_step_seconds"] / runs, 3)}
+            table.append(row)
+    return table
+
+
 def plot(table: list[dict], args, path: Path) -> None:
     import matplotlib
 
@@ -426,36 +468,7 @@ def main() -> int:
         results[system] = json.loads(line[len("RESULT "):])
         print(f"{system}: " + json.dumps([{k: r[k] for k in ("concurrency", "tok_s")} for r in results[system]["rows"]]),
               flush=True)
-    base = {r["concurrency"]: r for r in results["vanilla"]["rows"]} if "vanilla" in results else {}
-    table = []
-    for system, res in results.items():
-        for r in res["rows"]:
-            row = {"system": system, "concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1),
-                   "ms_per_token_per_request": round(r["ms_per_token_per_request"], 3)}
-            if r["concurrency"] in base:
-                b = base[r["concurrency"]]
-                row["speedup_vs_vanilla"] = round(r["tok_s"] / b["tok_s"], 3)
-                # the long runs alone (prefill included): a cross-check of the difference above
-                row["long_run_speedup"] = round(b["t_long_s"] / r["t_long_s"], 3)
-                same = sum(x == y for x, y in zip(r["tokens"], b["tokens"]))
-                row["same_tokens_as_vanilla"] = f"{same}/{len(b['tokens'])} requests"
-            if r["t_short_s"] / SHORT > 1.5 * r["t_long_s"] / LONG:
-                # a short run slower per token than the long one (e.g. a one-off stall in it) inflates
-                # tok_s, which is the difference of the two: trust long_run_speedup for this row
-                row["short_run_outlier"] = True
-            if "loopspec" in r:
-                ls, n = r["loopspec"], r["loopspec"]["counters"]
-                row |= {"gamma": round(ls["gamma"], 3), "first": round(ls["shares"]["first"], 3),
-                        "second": round(ls["shares"]["second"], 3), "late": round(ls["shares"]["late"], 3),
-                        "full": round(ls["shares"]["full"], 3),
-                        "lanes_per_step": round(ls["lanes_per_step"], 2),
-                        # per long run: where a LoopSpec engine's steps went
-                        "lane_steps": n["lane_steps"] / args.runs, "plain_steps": n["plain_steps"] / args.runs,
-                        "drains": n["drains"] / args.runs, "recurrent_steps": n["recurrent_steps"] / args.runs,
-                        "overlap_wasted": n["overlap_wasted"] / args.runs,
-                        "overlap_lagged": n["overlap_lagged"] / args.runs,
-                        "lane_step_s": round(n["lane_step_seconds"] / args.runs, 3)}
-            table.append(row)
+    table = side_by_side(results, args.runs)
     for res in results.values():
         for r in res["rows"]:
             r.pop("tokens")

@@ -1,0 +1,44 @@
+"""benchmarks/loopspec_speed.py's side-by-side table, from synthetic worker results (no engine)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from loopspec_speed import side_by_side  # noqa: E402
+
+
+def _row(c: int, tok_s: float, t_short: float, t_long: float, tokens: list[list[int]], **extra) -> dict:
+    return {"concurrency": c, "tok_s": tok_s, "ms_per_token_per_request": 1000 * c / tok_s, "t_short_s": t_short,
+            "t_long_s": t_long, "tokens": tokens} | extra
+
+
+def test_ratios_against_vanilla_and_in_tree():
+    counters = {"lane_steps": 80, "plain_steps": 2, "drains": 0, "recurrent_steps": 1200, "overlap_wasted": 4,
+                "overlap_lagged": 2, "lane_step_seconds": 2.0}
+    loopspec = {"gamma": 3.6, "shares": {"first": 0.97, "second": 0.01, "late": 0.0, "full": 0.02},
+                "lanes_per_step": 3.9, "counters": counters}
+    results = {
+        "vanilla": {"rows": [_row(1, 150.0, 0.5, 4.0, [[1, 2, 3]])]},
+        "in-tree": {"rows": [_row(1, 160.0, 0.5, 3.75, [[1, 2, 4]])]},
+        # its short run is slower per token than its long run by more than 1.5x: flagged
+        "loopspec": {"rows": [_row(1, 480.0, 0.6, 1.2, [[1, 2, 3]], loopspec=loopspec)]},
+    }
+    table = {r["system"]: r for r in side_by_side(results, runs=2)}
+    ls = table["loopspec"]
+    assert (ls["speedup_vs_vanilla"], ls["speedup_vs_in_tree"]) == (3.2, 3.0)
+    assert (ls["long_run_speedup"], ls["long_run_speedup_vs_in_tree"]) == (3.333, 3.125)
+    assert ls["same_tokens_as_vanilla"] == "1/1 requests" and ls["short_run_outlier"] is True
+    assert (ls["gamma"], ls["first"], ls["full"]) == (3.6, 0.97, 0.02)
+    assert (ls["recurrent_steps"], ls["lane_steps"], ls["lane_step_s"]) == (600, 40, 1.0)  # per long run
+    it = table["in-tree"]
+    assert "speedup_vs_in_tree" not in it and it["speedup_vs_vanilla"] == round(160 / 150, 3)
+    assert it["same_tokens_as_vanilla"] == "0/1 requests" and "short_run_outlier" not in it
+    assert table["vanilla"]["speedup_vs_in_tree"] == round(150 / 160, 3)
+
+
+def test_without_in_tree_no_in_tree_ratios():
+    results = {"vanilla": {"rows": [_row(4, 600.0, 0.5, 4.0, [[1]] * 4)]},
+               "loopspec": {"rows": [_row(4, 1800.0, 0.2, 1.5, [[1]] * 4)]}}
+    table = side_by_side(results, runs=1)
+    assert all("speedup_vs_in_tree" not in r for r in table)
+    assert [r["speedup_vs_vanilla"] for r in table] == [1.0, 3.0]
