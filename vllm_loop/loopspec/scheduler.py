@@ -82,16 +82,16 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None,
     lanes = getattr(so, "loopspec_lanes", True)
     if seconds is None or output is None or not so.num_scheduled_tokens or not getattr(output, "sampled_token_ids", None):
         return None
+    rows = len(so.num_scheduled_tokens)
     if lanes:
         # a step that captured a lane graph (a new shape bucket) took far longer than its mode does
         if step is None or not step.lane_steps or step.graph_captures:
             return None
     elif (so.scheduled_new_reqs or so.scheduled_cached_reqs.resumed_req_ids or so.scheduled_spec_decode_tokens
           or any(n != 1 for n in so.num_scheduled_tokens.values())
-          or finishes or (rows_before is not None and rows_before != len(so.num_scheduled_tokens))):
+          or finishes or (rows_before is not None and rows_before != rows)):
         return None
     tokens = sum(len(t) for t in output.sampled_token_ids)
-    rows = len(so.num_scheduled_tokens)
     return StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=seconds,
                       warmup=2 * step.warmup_rows > rows if lanes else after_lanes,
                       context=mean_context(so))
