@@ -11,6 +11,13 @@ its weights from HBM. It needs only
 PyTorch and Triton (no vLLM), so it runs on a bare GPU host in a few seconds:
 
     python benchmarks/lane_gemm_compare.py --out benchmarks/results/lane-gemm-compare-h200.txt
+
+``--swiglu`` times the MLP's second half as a lane call runs it instead: vLLM's ``silu_and_mul``
+then cuBLAS's down projection (two launches, what lane calls ran before 2026-12-04), against
+``swiglu_down`` (one) in several configurations, with and without its activation loads one iteration
+ahead; needs vLLM:
+
+    python benchmarks/lane_gemm_compare.py --swiglu --rows 1 4 16 32 --out benchmarks/results/lane-swiglu-down-h200.txt
 """
 
 from __future__ import annotations
@@ -42,9 +49,13 @@ def main() -> None:
     ap.add_argument("--out", default="lane-gemm-compare.txt")
     ap.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"])
     ap.add_argument("--rows", nargs="+", type=int, default=[4, 16, 64])
+    ap.add_argument("--swiglu", action="store_true",
+                    help="SiLU-and-mul + cuBLAS down projection against the fused swiglu_down")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_gemm_compare.py needs a CUDA GPU")
+    if args.swiglu:
+        return swiglu(args)
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench_cudagraph
 
@@ -85,6 +96,57 @@ def main() -> None:
                 lines.append(f"| {shape} | {name} {n}x{k} | {m} | " + " | ".join(f"{t:.1f}" for t in times)
                              + f" | {names[best]} | {gbs:.0f} |")
                 print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+
+
+def swiglu(args) -> None:
+    """us per down projection with its activation: vLLM's ``silu_and_mul`` + cuBLAS, ``swiglu_down`` in
+    several configurations (with and without the activation loads one iteration ahead), and the plain
+    few-rows GEMM on the activation (no SiLU inside), per shape and row count."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's CUDA ops: torch.ops._C.silu_and_mul)
+    from triton.testing import do_bench_cudagraph
+
+    from vllm_loop_kernels.skinny_gemm import SWIGLU_NARROW, SWIGLU_WIDE, GemmConfig, skinny_gemm, swiglu_down
+
+    def silu_and_mul(h):
+        out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
+        torch.ops._C.silu_and_mul(out, h)
+        return out
+
+    plain = GemmConfig(32, 128, 4, 2, 8)  # the plain GEMM's fastest on the down projections (seventeenth run)
+    configs = [plain, GemmConfig(16, 256, 4, 2, 4), GemmConfig(32, 256, 4, 2, 4), GemmConfig(16, 128, 4, 2, 8),
+               GemmConfig(32, 128, 4, 3, 8), SWIGLU_WIDE, SWIGLU_NARROW]
+    label = lambda c: f"{c.block_n}x{c.block_k} w{c.warps} s{c.stages} k{c.splits}"  # noqa: E731
+    variants = {"silu_and_mul + cuBLAS": lambda h, w: torch.nn.functional.linear(silu_and_mul(h), w),
+                f"fused {label(plain)} no prefetch": lambda h, w: swiglu_down(h, w, plain, prefetch=False)}
+    variants |= {f"fused {label(c)}": lambda h, w, c=c: swiglu_down(h, w, c) for c in configs}
+    variants[f"plain GEMM on the activation {label(plain)}"] = None  # timed on a precomputed activation
+    names = list(variants)
+    lines = [f"# {torch.cuda.get_device_name()}, bf16; us per call (do_bench_cudagraph, each call its own copy of "
+             "the weights); the first column is what a lane call ran before swiglu_down",
+             "| shape | down | rows | " + " | ".join(names) + " | fastest |", "|---|---|---|" + "---|" * (len(names) + 1)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in args.shapes:
+        n, f = shared_block_matrices(shape)["down"]
+        copies = max(2, -(-2**28 // (n * f * 2)))
+        ws = [torch.randn(n, f, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+        for m in args.rows:
+            h = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16, generator=g)
+            act = silu_and_mul(h)
+            want = torch.nn.functional.linear(act, ws[0]).float()
+            times = []
+            for name, fn in variants.items():
+                if fn is None:
+                    fn = lambda h, w: skinny_gemm(act, w, plain)  # noqa: E731
+                err = (fn(h, ws[0]).float() - want).abs().max().item()
+                if err > 0.02 * want.abs().max().item():
+                    raise AssertionError(f"{shape} rows {m} {name}: max abs error {err:.3g}")
+                times.append(do_bench_cudagraph(lambda: [fn(h, w) for w in ws]) * 1e3 / copies)
+            best = min(range(len(times)), key=times.__getitem__)
+            lines.append(f"| {shape} | {n}x{f} | {m} | " + " | ".join(f"{t:.1f}" for t in times) + f" | {names[best]} |")
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     print(text)

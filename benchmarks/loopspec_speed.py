@@ -40,6 +40,9 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   ``best`` d1 / d2 replace the spec's);
 * ``loopspec-tuned-late`` -- ``loopspec-tuned`` with greedy late re-proposals at the depths of
   ``--late`` (``"late": [...]``, ``vllm_loop/loopspec/schedule.py``);
+* ``SYSTEM-unfused`` (a LoopSpec system above) -- the same engine with the lane calls' SiLU-and-mul and
+  down projection as vLLM's two kernels (``VLLM_LOOP_LANE_SWIGLU=0``; the default since 2026-12-04 fuses
+  them, ``kernels/skinny_gemm.py: swiglu_down``);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
 * ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
@@ -105,10 +108,13 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
            "loopspec-tuned", "loopspec-tuned-late", "in-tree")
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3}}
+UNFUSED = "-unfused"  # suffix to a LoopSpec system: VLLM_LOOP_LANE_SWIGLU=0 (the docstring)
 
 
 def split_system(system: str) -> tuple[str, dict | None]:
-    """The system without its compilation suffix, and the suffix's compilation config (None: none)."""
+    """The system without its compilation and ``-unfused`` suffixes, and the compilation suffix's
+    config (None: none)."""
+    system = system.removesuffix(UNFUSED)
     return next(((system.removesuffix(x), c) for x, c in COMPILATION.items() if system.endswith(x)), (system, None))
 
 
@@ -155,6 +161,10 @@ def _start(args, system: str, max_num_seqs: int):
     gpu = torch.cuda.is_available()
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    if system.endswith(UNFUSED):  # read by the lane calls, in the engine's processes (started below)
+        from vllm_loop.models.layers import SWIGLU_ENV
+
+        os.environ[SWIGLU_ENV] = "0"
     system, compilation = split_system(system)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")

@@ -7,9 +7,10 @@
 * ``norm_add_norm`` -- the seams of sandwich-norm layers, two RMSNorms and the add in one kernel:
   Ouro's ``second(first(x) + residual)`` and Huginn's ``first(a + x)`` then ``second``, in lane calls
   and in vLLM's forward when it is not compiled.
-* ``skinny_gemm`` -- ``x @ w.T`` for a few rows, optionally split over K: a candidate for the lanes'
-  linear layers that the engine does not use (cuBLAS measured as fast or faster on the H200,
-  ``benchmarks/lane_gemm_compare.py``).
+* ``skinny_gemm`` -- ``x @ w.T`` for a few rows, optionally split over K, optionally with SwiGLU's
+  ``silu(gate) * up`` formed as it loads ``x``: the lanes' MLP down projection (``swiglu_down``, one
+  launch for SiLU-and-mul and the GEMM). As a plain GEMM the engine does not use it (cuBLAS measured
+  as fast or faster on the H200, ``benchmarks/lane_gemm_compare.py``).
 * ``arrivals`` -- the atomic counters by which the last program of a split computation merges the
   partials in the same launch (the lane attention's one-pass merge, the split-K GEMM).
 

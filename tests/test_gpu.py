@@ -484,3 +484,14 @@ def test_triton_skinny_gemm_on_gpu(dtype):
 
     compare_skinny_gemm("cuda", dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (8, 6144, 2048),
                                                (8, 2048, 2048), (8, 11264, 2048), (4, 2048, 5632)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_triton_swiglu_down_on_gpu(dtype):
+    """SiLU-and-mul fused into the down projection, against vLLM's rounding and an fp64 product, at
+    small shapes and at the down projections of Ouro-1.4B (2,048 x 5,632) and Huginn-0125 (5,280 x
+    17,920) at the lane calls' 1-16 rows, in both configurations (the CPU test runs it interpreted)."""
+    from test_lane_kernels import compare_swiglu_down
+
+    compare_swiglu_down("cuda", dtype, shapes=((1, 40, 72), (4, 24, 300), (16, 33, 200), (1, 2048, 5632),
+                                               (4, 2048, 5632), (16, 2048, 5632), (4, 5280, 17920)))

@@ -209,9 +209,33 @@ def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (
                                            msg=lambda e: f"{(m, n, k)} {config}: {e}")
 
 
+def compare_swiglu_down(device: str, dtype, shapes=((1, 40, 72), (4, 24, 300), (16, 33, 200))):
+    """``swiglu_down`` (SiLU-and-mul formed inside the split-K GEMM) against SiLU-and-mul as vLLM
+    rounds it (``silu(gate)`` to the dtype, then the product) followed by an fp64 product; rows 1-16,
+    widths that fill no tile, ``h`` a strided view; its default and both configurations, the
+    activation loaded ahead or not; each twice (the arrival counters re-arm)."""
+    from vllm_loop_kernels.skinny_gemm import SWIGLU_NARROW, SWIGLU_WIDE, swiglu_down
+
+    g = torch.Generator().manual_seed(1)
+    for m, n, f in shapes:
+        h = (torch.randn(m, 4 * f, generator=g) * 2).to(dtype).to(device)[:, ::2]  # [gate | up], strided
+        w = torch.randn(n, f, generator=g).to(dtype).to(device)
+        gate, up = h[:, :f].float(), h[:, f:].float()
+        act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+        want = (act.double() @ w.double().T).to(dtype)
+        atol, rtol = (1e-5 * f ** 0.5, 1e-5) if dtype == torch.float32 else (3e-2 * f ** 0.5 / 8, 1e-2)
+        for config, prefetch in ((None, True), (SWIGLU_NARROW, True), (SWIGLU_WIDE, True), (SWIGLU_WIDE, False)):
+            for _ in range(2):
+                got = swiglu_down(h, w, config, prefetch)
+                torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
+                                           msg=lambda e: f"swiglu_down {(m, n, f)} {config} prefetch {prefetch}: {e}")
+    with pytest.raises(ValueError, match="gated=True"):
+        swiglu_down(torch.zeros(2, 7, dtype=dtype, device=device), torch.zeros(3, 3, dtype=dtype, device=device))
+
+
 def test_triton_skinny_gemm_equals_torch():
-    """The few-rows split-K GEMM of the lanes' linear layers, interpreted: fp16 and fp32 (the
-    interpreter's numbers are NumPy's)."""
+    """The few-rows split-K GEMM of the lanes' linear layers, plain and with SiLU-and-mul fused
+    (``swiglu_down``), interpreted: fp16 and fp32 (the interpreter's numbers are NumPy's)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "gemm"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -261,6 +285,8 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
     if sys.argv[1:2] == ["gemm"]:
         compare_skinny_gemm("cpu", torch.float16)
         compare_skinny_gemm("cpu", torch.float32)
+        compare_swiglu_down("cpu", torch.float16)
+        compare_swiglu_down("cpu", torch.float32)
         print("GEMM OK", flush=True)
         sys.exit(0)
     if sys.argv[1:2] == ["norms"]:

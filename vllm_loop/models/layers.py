@@ -8,6 +8,7 @@ applications of L weight layers get T·L cache layers, in one KV-cache group and
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
@@ -22,10 +23,19 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+
+# "0": lane calls run SiLU-and-mul and the down projection as vLLM's two kernels (the benchmark's
+# ``-unfused`` systems, to time the fused kernel side by side); anything else: ``GatedMLP._fused_down``
+SWIGLU_ENV = "VLLM_LOOP_LANE_SWIGLU"
 
 # LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call
 # the runner installs its lane attention here, and every ``bank`` argument is a tensor of per-row
@@ -254,8 +264,26 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = getattr(self, self.up_name)(x)
-        out, _ = getattr(self, self.down_name)(self.act(h))
+        down = getattr(self, self.down_name)
+        if self._fused_down(h, down):
+            from vllm_loop_kernels.skinny_gemm import swiglu_down
+
+            return swiglu_down(h, down.weight)
+        out, _ = down(self.act(h))
         return out
+
+    @staticmethod
+    def _fused_down(h: torch.Tensor, down: RowParallelLinear) -> bool:
+        """SiLU-and-mul inside the down projection (``kernels/skinny_gemm.py: swiglu_down``): in lane
+        calls on CUDA at a few rows, where the activation's own launch costs more than its work;
+        an unsharded, unquantized, bias-free projection only (anything else is vLLM's layer)."""
+        if (_lane_attention is None or not h.is_cuda or torch.compiler.is_compiling()
+                or os.environ.get(SWIGLU_ENV) == "0"):
+            return False
+        from vllm_loop_kernels.skinny_gemm import SWIGLU_MAX_ROWS
+
+        return (h.shape[0] <= SWIGLU_MAX_ROWS and down.tp_size == 1 and down.bias is None
+                and isinstance(down.quant_method, UnquantizedLinearMethod) and down.weight.dtype == h.dtype)
 
 
 # Checkpoint names of the shards of a fused parameter (Llama / Qwen2-style checkpoints store q, k, v
