@@ -17,7 +17,7 @@ then cuBLAS's down projection (two launches, what lane calls ran before 2026-12-
 ``swiglu_down`` (one) in several configurations, with and without its activation loads one iteration
 ahead; needs vLLM:
 
-    python benchmarks/lane_gemm_compare.py --swiglu --rows 1 4 16 32 --out benchmarks/results/lane-swiglu-down-h200.txt
+    python benchmarks/lane_gemm_compare.py --swiglu --rows 1 4 16 --out benchmarks/results/lane-swiglu-down-h200.txt
 """
 
 from __future__ import annotations
