@@ -43,6 +43,9 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``SYSTEM-unfused`` (a LoopSpec system above) -- the same engine with the lane calls' SiLU-and-mul and
   down projection as vLLM's two kernels (``VLLM_LOOP_LANE_SWIGLU=0``; the default since 2026-12-04 fuses
   them, ``kernels/skinny_gemm.py: swiglu_down``);
+* ``SYSTEM-tgemm`` / ``SYSTEM-pdl`` (a LoopSpec system above, either or both, e.g. ``loopspec-auto-tgemm-pdl``)
+  -- the lane calls' projections on the few-rows Triton GEMM instead of cuBLAS (``VLLM_LOOP_LANE_GEMM=triton``)
+  / every Triton kernel launched with programmatic dependent launch (``VLLM_LOOP_PDL=1``, ``kernels/pdl.py``);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
 * ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
@@ -108,14 +111,21 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
            "loopspec-tuned", "loopspec-tuned-late", "in-tree")
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3}}
-UNFUSED = "-unfused"  # suffix to a LoopSpec system: VLLM_LOOP_LANE_SWIGLU=0 (the docstring)
+# suffixes to a LoopSpec system, after any other: the environment of its lane kernels (the docstring)
+LANE_KERNELS = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
+                "-pdl": ("VLLM_LOOP_PDL", "1")}
 
 
-def split_system(system: str) -> tuple[str, dict | None]:
-    """The system without its compilation and ``-unfused`` suffixes, and the compilation suffix's
-    config (None: none)."""
-    system = system.removesuffix(UNFUSED)
-    return next(((system.removesuffix(x), c) for x, c in COMPILATION.items() if system.endswith(x)), (system, None))
+def split_system(system: str) -> tuple[str, dict | None, dict[str, str]]:
+    """The system without its suffixes; the compilation suffix's config (None: none) and the
+    environment its lane-kernel suffixes set."""
+    env = {}
+    while suffix := next((x for x in LANE_KERNELS if system.endswith(x)), None):
+        key, value = LANE_KERNELS[suffix]
+        system, env[key] = system.removesuffix(suffix), value
+    system, compilation = next(((system.removesuffix(x), c) for x, c in COMPILATION.items() if system.endswith(x)),
+                               (system, None))
+    return system, compilation, env
 
 
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
@@ -161,11 +171,8 @@ def _start(args, system: str, max_num_seqs: int):
     gpu = torch.cuda.is_available()
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
-    if system.endswith(UNFUSED):  # read by the lane calls, in the engine's processes (started below)
-        from vllm_loop.models.layers import SWIGLU_ENV
-
-        os.environ[SWIGLU_ENV] = "0"
-    system, compilation = split_system(system)
+    system, compilation, env = split_system(system)
+    os.environ.update(env)  # read by the lane calls, in the engine's processes (started below)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
     kw |= dict(gpu_memory_utilization=0.8) if gpu else dict(kv_cache_memory_bytes=2**30)

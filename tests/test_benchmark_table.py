@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from loopspec_speed import side_by_side  # noqa: E402
+from loopspec_speed import side_by_side, split_system  # noqa: E402
 
 
 def _row(c: int, tok_s: float, t_short: float, t_long: float, tokens: list[list[int]], **extra) -> dict:
@@ -42,3 +42,12 @@ def test_without_in_tree_no_in_tree_ratios():
     table = side_by_side(results, runs=1)
     assert all("speedup_vs_in_tree" not in r for r in table)
     assert [r["speedup_vs_vanilla"] for r in table] == [1.0, 3.0]
+
+
+def test_system_suffixes():
+    """A system's compilation and lane-kernel suffixes: the engine's config and environment."""
+    assert split_system("loopspec-auto-tgemm-pdl") == ("loopspec-auto", None, {"VLLM_LOOP_LANE_GEMM": "triton",
+                                                                              "VLLM_LOOP_PDL": "1"})
+    assert split_system("loopspec-tuned-nocompile-unfused") == (
+        "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {"VLLM_LOOP_LANE_SWIGLU": "0"})
+    assert split_system("in-tree") == ("in-tree", None, {})

@@ -216,11 +216,20 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled=True)
 
 
+# lane kernels: environment of the engine (kernels/pdl.py, models/layers.py: lane_linear)
+LANE_KERNELS = {"default": {}, "triton-gemm-pdl": {"VLLM_LOOP_LANE_GEMM": "triton", "VLLM_LOOP_PDL": "1"}}
+
+
+@pytest.mark.parametrize("kernels", list(LANE_KERNELS))
 @pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2"])
-def test_loopspec_greedy_identity_nocompile(ckpt_factory, name):
+def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels):
     """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
     FULL_DECODE_ONLY: no Dynamo / Inductor at start-up; vLLM's forward eager with its full decode
-    graphs, the lane graphs as always): identical to the reference."""
+    graphs, the lane graphs as always): identical to the reference; also with the lanes' projections
+    on the Triton GEMM and every Triton kernel launched with PDL (the engine-core process inherits
+    the environment)."""
+    for key, value in LANE_KERNELS[kernels].items():
+        monkeypatch.setenv(key, value)
     _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False)
 
 
@@ -484,6 +493,61 @@ def test_triton_skinny_gemm_on_gpu(dtype):
 
     compare_skinny_gemm("cuda", dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (8, 6144, 2048),
                                                (8, 2048, 2048), (8, 11264, 2048), (4, 2048, 5632)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_lane_kernels_with_pdl_on_gpu(monkeypatch, dtype):
+    """A lane layer's chain of Triton kernels at Ouro-1.4B's shapes (seam norm, qkv, output
+    projection, seam norm, gate / up, SiLU-and-mul with the down projection), captured in one CUDA
+    graph launched with PDL (``kernels/pdl.py``: each kernel may start before the one it reads has
+    ended) and replayed: the same bits as the chain run eagerly without PDL; the lane attention
+    with and without PDL the same bits too."""
+    from test_lane_kernels import lane_attention_case
+
+    from vllm_loop_kernels.lane_attention import lane_attention
+    from vllm_loop_kernels.norm_add_norm import norm_add_norm
+    from vllm_loop_kernels.skinny_gemm import gemm_config, skinny_gemm, swiglu_down
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, F, rows = 2048, 5632, 4
+
+    def weights(n, k):
+        return torch.randn(n, k, device="cuda", generator=g).to(dtype) * k ** -0.5
+
+    qkv, o, gate_up, down = weights(3 * H, H), weights(H, H), weights(2 * F, H), weights(H, F)
+    norm = torch.ones(H, device="cuda", dtype=dtype) + torch.randn(H, device="cuda", generator=g).to(dtype) * 0.1
+    x0 = torch.randn(rows, H, device="cuda", generator=g).to(dtype)
+    res0 = torch.randn(rows, H, device="cuda", generator=g).to(dtype)
+
+    def chain(x, res):
+        for _ in range(3):  # layers, each reading the one before's output
+            h, res = norm_add_norm(x, res, norm, 1e-6, norm, 1e-6)
+            a = skinny_gemm(skinny_gemm(h, qkv, gemm_config(3 * H, H))[:, :H].contiguous(), o, gemm_config(H, H))
+            h, res = norm_add_norm(a, res, norm, 1e-6, norm, 1e-6)
+            x = swiglu_down(skinny_gemm(h, gate_up, gemm_config(2 * F, H)), down)
+        return x, res
+
+    monkeypatch.delenv("VLLM_LOOP_PDL", raising=False)
+    want = chain(x0, res0.clone())
+    monkeypatch.setenv("VLLM_LOOP_PDL", "1")
+    x, res = x0.clone(), res0.clone()
+    chain(x, res.clone())  # warm-up: compiles the PDL variants, takes the arrival counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(x, res)
+    for _ in range(3):
+        res.copy_(res0)  # the seam norms update the residual in place
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    paged, scratch, lanes, bank_ids, depths, q, k, v = lane_attention_case("split-last", "cuda", dtype,
+                                                                           heads=(16, 16), D=128, prefix0=600)
+    outs = []
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("VLLM_LOOP_PDL", pdl)
+        outs.append(lane_attention(q, k, v, paged.k, paged.v, paged.page_of, bank_ids, depths, lanes.prefix,
+                                   lanes.slots, lanes.block_rows, lanes.ancestors, scratch.kv, 128**-0.5))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

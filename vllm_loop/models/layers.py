@@ -34,8 +34,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 
 # "0": lane calls run SiLU-and-mul and the down projection as vLLM's two kernels (the benchmark's
-# ``-unfused`` systems, to time the fused kernel side by side); anything else: ``GatedMLP._fused_down``
+# ``-unfused`` systems, to time the fused kernel side by side); anything else: ``swiglu_down`` in
+# ``GatedMLP.forward``
 SWIGLU_ENV = "VLLM_LOOP_LANE_SWIGLU"
+# "triton": lane calls at a few rows run their other projections (qkv, output, gate / up) on the few-rows
+# Triton GEMM instead of vLLM's layer (cuBLAS), so that with VLLM_LOOP_PDL=1 (``kernels/pdl.py``) a
+# layer is a chain of Triton kernels launched with PDL (``lane_linear``; the benchmark's ``-tgemm``
+# systems); anything else: vLLM's layer. Off until timed on the H200.
+GEMM_ENV = "VLLM_LOOP_LANE_GEMM"
 
 # LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call
 # the runner installs its lane attention here, and every ``bank`` argument is a tensor of per-row
@@ -230,7 +236,7 @@ class BankedAttention(nn.Module):
         self.register_buffer("bank_ids", torch.tensor(list(banks), dtype=torch.long), persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, bank: int | torch.Tensor) -> torch.Tensor:
-        qkv, _ = getattr(self, self.qkv_name)(x)
+        qkv = lane_linear(getattr(self, self.qkv_name), x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q, k = qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, self.tp)
@@ -245,8 +251,7 @@ class BankedAttention(nn.Module):
         else:
             q, k = self.rotary_emb(positions, q, k)
             attn = self.banks[bank](q, k, v)
-        out, _ = getattr(self, self.out_name)(attn)
-        return out
+        return lane_linear(getattr(self, self.out_name), attn)
 
 
 class GatedMLP(nn.Module):
@@ -263,27 +268,40 @@ class GatedMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = getattr(self, self.up_name)(x)
+        h = lane_linear(getattr(self, self.up_name), x)
         down = getattr(self, self.down_name)
-        if self._fused_down(h, down):
+        if _few_rows_lane_call(h, down, "SWIGLU_MAX_ROWS") and os.environ.get(SWIGLU_ENV) != "0":
+            # SiLU-and-mul inside the down projection: at a few rows the activation's own launch costs
+            # more than its work (``kernels/skinny_gemm.py: swiglu_down``)
             from vllm_loop_kernels.skinny_gemm import swiglu_down
 
             return swiglu_down(h, down.weight)
         out, _ = down(self.act(h))
         return out
 
-    @staticmethod
-    def _fused_down(h: torch.Tensor, down: RowParallelLinear) -> bool:
-        """SiLU-and-mul inside the down projection (``kernels/skinny_gemm.py: swiglu_down``): in lane
-        calls on CUDA at a few rows, where the activation's own launch costs more than its work;
-        an unsharded, unquantized, bias-free projection only (anything else is vLLM's layer)."""
-        if (_lane_attention is None or not h.is_cuda or torch.compiler.is_compiling()
-                or os.environ.get(SWIGLU_ENV) == "0"):
-            return False
-        from vllm_loop_kernels.skinny_gemm import SWIGLU_MAX_ROWS
 
-        return (h.shape[0] <= SWIGLU_MAX_ROWS and down.tp_size == 1 and down.bias is None
-                and isinstance(down.quant_method, UnquantizedLinearMethod) and down.weight.dtype == h.dtype)
+def _few_rows_lane_call(x: torch.Tensor, layer: nn.Module, limit: str) -> bool:
+    """Whether a lane call's ``layer(x)`` may run on a few-rows Triton GEMM (``kernels/skinny_gemm.py``):
+    on CUDA, outside torch.compile (checked first: nothing else here is traced), at most
+    ``skinny_gemm.<limit>`` rows, an unsharded, unquantized, bias-free layer of x's dtype. Anything
+    else is vLLM's layer."""
+    if _lane_attention is None or not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    from vllm_loop_kernels import skinny_gemm
+
+    return (x.shape[0] <= getattr(skinny_gemm, limit) and layer.tp_size == 1 and layer.bias is None
+            and isinstance(layer.quant_method, UnquantizedLinearMethod) and layer.weight.dtype == x.dtype)
+
+
+def lane_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """vLLM's linear ``layer(x)`` (its output only), or in a lane call with ``VLLM_LOOP_LANE_GEMM=triton``
+    the few-rows Triton GEMM (``GEMM_ENV``)."""
+    if _few_rows_lane_call(x, layer, "GEMM_MAX_ROWS") and os.environ.get(GEMM_ENV) == "triton":
+        from vllm_loop_kernels.skinny_gemm import gemm_config, skinny_gemm
+
+        return skinny_gemm(x, layer.weight, gemm_config(*layer.weight.shape))
+    out, _ = layer(x)
+    return out
 
 
 # Checkpoint names of the shards of a fused parameter (Llama / Qwen2-style checkpoints store q, k, v
