@@ -52,12 +52,23 @@ def _online_softmax_step(q, k, v, valid, m, l, acc, scale):
 
 
 @triton.jit
-def _load_rotated(ptr, mask, d, cs_ptr, ROT: tl.constexpr, NEOX: tl.constexpr):
+def _load_biased(ptr, mask, bias_ptr, HAS_BIAS: tl.constexpr):
+    """``x`` at ``ptr``, plus the bias at ``bias_ptr`` (the same place in a head vector) rounded to x's
+    dtype as PyTorch's add rounds it."""
+    x = tl.load(ptr, mask=mask, other=0.0)
+    if HAS_BIAS:
+        x = (x.to(tl.float32) + tl.load(bias_ptr, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _load_rotated(ptr, mask, d, cs_ptr, ROT: tl.constexpr, NEOX: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr):
     """Load ``[..., BLOCK_D]`` head vectors at ``ptr`` (``ptr - d`` is each vector's start) in fp32,
-    with RoPE applied over the first ``ROT`` dimensions from the position's ``cs_ptr`` row of vLLM's
+    plus their bias (``HAS_BIAS``: Huginn's q / k bias at ``bias_ptr``, laid out as ``ptr``), with RoPE
+    applied over the first ``ROT`` dimensions from the position's ``cs_ptr`` row of vLLM's
     ``cos_sin_cache`` (cos then sin, ``ROT / 2`` each), as vLLM's rotary kernel does (NeoX: halves;
     else GPT-J: pairs). ``ROT`` 0: no RoPE."""
-    x = tl.load(ptr, mask=mask, other=0.0)
+    x = _load_biased(ptr, mask, bias_ptr, HAS_BIAS)
     if ROT == 0:
         return x.to(tl.float32)
     half = ROT // 2
@@ -68,7 +79,7 @@ def _load_rotated(ptr, mask, d, cs_ptr, ROT: tl.constexpr, NEOX: tl.constexpr):
     else:
         first = d % 2 == 0
         partner, i = tl.where(first, d + 1, d - 1), d // 2
-    x_p = tl.load(ptr + (partner - d), mask=mask & rot, other=0.0).to(tl.float32)
+    x_p = _load_biased(ptr + (partner - d), mask & rot, bias_ptr + (partner - d), HAS_BIAS).to(tl.float32)
     cos = tl.load(cs_ptr + i, mask=rot, other=1.0).to(tl.float32)
     sin = tl.load(cs_ptr + half + i, mask=rot, other=0.0).to(tl.float32)
     y = x.to(tl.float32) * cos + tl.where(first, -x_p, x_p) * sin
@@ -116,10 +127,11 @@ def _lane_kernel(
     ml_ptr, smn, smh, sms,  # their running max and sum [n, Hq, PIECES + 1, 2] fp32 (last stride 1)
     count_ptr,  # [n * H] int32, zero between launches: arrivals per (lane, KV head) (ONE_PASS)
     pos_ptr, cs_ptr, scs,  # RoPE: positions [n], cos_sin_cache [positions, ROT]
+    qb_ptr, kb_ptr,  # q / k bias [Hq * D], [H * D] (HAS_BIAS), added before RoPE
     scale, A, rep,
     B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PIECES: tl.constexpr,
-    ROT: tl.constexpr, NEOX: tl.constexpr, ONE_PASS: tl.constexpr, GDC: tl.constexpr,
+    ROT: tl.constexpr, NEOX: tl.constexpr, ONE_PASS: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr,
 ):
     """Program (lane, KV head, piece): pieces ``0..PIECES-1`` walk their part of the paged prefix,
     piece ``PIECES`` the lane window; each leaves a partial result. ``ONE_PASS``: the last program of
@@ -140,7 +152,7 @@ def _lane_kernel(
         if ROT > 0:
             cs = cs_ptr + tl.load(pos_ptr + row).to(tl.int64) * scs
         q = _load_rotated(q_ptr + row * sq0 + qh[:, None] * sq1 + d[None, :], rmask[:, None] & dmask[None, :],
-                          d[None, :], cs, ROT, NEOX)
+                          d[None, :], cs, ROT, NEOX, qb_ptr + qh[:, None] * D + d[None, :], HAS_BIAS)
         bank = _bank_of(row, bank_ids_ptr, depths_ptr).to(tl.int64)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_R], tl.float32)
@@ -164,7 +176,8 @@ def _lane_kernel(
             # the lane's own K/V into its pool slot (as stored, so self-attention sees the pool's rounding)
             pool_ty = pool_ptr.dtype.element_ty
             own = pool_ptr + bank * sp0 + tl.load(slots_ptr + row).to(tl.int64) * sp1 + head * sp3 + d
-            k_own = _load_rotated(kn_ptr + row * skn0 + head * skn1 + d, dmask, d, cs, ROT, NEOX).to(pool_ty)
+            k_own = _load_rotated(kn_ptr + row * skn0 + head * skn1 + d, dmask, d, cs, ROT, NEOX,
+                                  kb_ptr + head * D + d, HAS_BIAS).to(pool_ty)
             v_own = tl.load(vn_ptr + row * svn0 + head * svn1 + d, mask=dmask, other=0.0).to(pool_ty)
             tl.store(own, k_own, mask=dmask)
             tl.store(own + sp2, v_own, mask=dmask)
@@ -278,7 +291,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
                    v_pages: torch.Tensor, page_of: torch.Tensor, bank_ids: torch.Tensor, depths: torch.Tensor,
                    prefix: torch.Tensor, slots: torch.Tensor, block_rows: torch.Tensor, ancestors: torch.Tensor,
                    pool: torch.Tensor, scale: float, split: int | None = None, rope=None,
-                   pieces: int | None = None, merge: str | None = None) -> torch.Tensor:
+                   pieces: int | None = None, merge: str | None = None, bias=None) -> torch.Tensor:
     """``q [n, Hq, D]`` and new ``k, v [n, H, D]`` of lanes at global banks ``bank_ids[depths]``
     (``depths [n]``); each stores its k, v in the lane pool ``pool [banks, slots, 2, H, D]`` at its
     own ``slots [n]``, and reads positions ``0..prefix-1`` of its request (``block_rows [n, W]``,
@@ -290,7 +303,9 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     does not grow with the model length. ``rope``: ``(positions [n],
     cos_sin_cache [max positions, rotary dims], is_neox_style)``, vLLM's RoPE of q and k applied here
     (the stored k rotated), or None (q and k come rotated). ``merge``: "one-pass", "two-pass" or
-    "auto" (``MERGE`` when None). Returns ``[n, Hq, D]`` in q's dtype.
+    "auto" (``MERGE`` when None). ``bias``: ``(q bias [Hq * D], k bias [H * D])`` added to q and k as
+    they load, before RoPE (Huginn's; two elementwise kernels a layer less), or None. Returns
+    ``[n, Hq, D]`` in q's dtype.
 
     The launch shapes depend only on the tensors' shapes (the prefix can reach ``W`` blocks), so a
     CUDA graph of a call serves every prefix length."""
@@ -308,6 +323,11 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     if split % BLOCK_N:
         raise ValueError(f"lane_attention: split={split} must be a multiple of {BLOCK_N}")
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    if bias is not None:
+        if bias[0].shape != (Hq * D,) or bias[1].shape != (H * D,):
+            raise ValueError(f"lane_attention: bias of shapes {[tuple(b.shape) for b in bias]} for {Hq} / {H} "
+                             f"heads of {D}; allowed: ({Hq * D},), ({H * D},)")
+        bias = tuple(b.contiguous() for b in bias)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -339,9 +359,9 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         block_rows, block_rows.stride(0), block_rows.stride(1),
         ancestors if A else slots.view(n, 1), ancestors.stride(0) if A else 1, ancestors.stride(1) if A else 1,
         pool, pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
-        *parts, counters, positions, cos_sin, cos_sin.stride(0),
+        *parts, counters, positions, cos_sin, cos_sin.stride(0), *(bias if bias is not None else (q, q)),
         scale, A, rep,
-        B=B, BLOCK_A=triton.next_power_of_2(A + 1), ROT=rot, NEOX=neox, ONE_PASS=one_pass,
+        B=B, BLOCK_A=triton.next_power_of_2(A + 1), ROT=rot, NEOX=neox, ONE_PASS=one_pass, HAS_BIAS=bias is not None,
         num_warps=LANE_WARPS, **meta,
     )
     if not one_pass:

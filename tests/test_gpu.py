@@ -422,21 +422,25 @@ def test_loopspec_sampling_distribution_compiled(ckpt_factory):
                                                   (300, {}, "neox"), (300, {"split": 32}, "gptj"),
                                                   (1000, {"split": 16, "pieces": 8}, None),
                                                   (1000, {"merge": "two-pass"}, None),
-                                                  (300, {"merge": "two-pass"}, "neox")],
+                                                  (300, {"merge": "two-pass"}, "neox"),
+                                                  (300, {"bias": True}, "neox")],
                          ids=["short", "long", "long-32", "neox", "gptj-32", "long-8-programs", "long-two-pass",
-                              "neox-two-pass"])
+                              "neox-two-pass", "neox-bias"])
 def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
     """The compiled kernel against the PyTorch lane attention (the CPU test runs it interpreted): a
     short prefix, and a long one in the default pieces, in 32 (more than one merge step) and over 8
     programs per (lane, head); RoPE applied by the kernel against vLLM's rotary kernel; merged by the
-    last program (these few rows' default) and by a second kernel (two-pass, many rows' default)."""
+    last program (these few rows' default) and by a second kernel (two-pass, many rows' default); a
+    q / k bias added by the kernel before its RoPE (Huginn's)."""
     from functools import partial
 
     from test_lane_kernels import compare
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    compare(partial(lane_attention, **split), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
-            tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope)
+    options = dict(split)
+    bias = options.pop("bias", False)
+    compare(partial(lane_attention, **options), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
+            tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope, bias=bias)
 
 
 def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):

@@ -81,26 +81,31 @@ def rotary_case(D: int, rope: str, device: str, dtype):
 
 
 def compare(kernel, layout: str, device: str, dtype=torch.float32, heads=(4, 2), D=32, tol=1e-5, prefix0=37,
-            rope: str | None = None):
+            rope: str | None = None, bias: bool = False):
     """The kernel against the PyTorch lane attention; ``rope`` ("neox" / "gptj"): q and k come
-    unrotated with vLLM's rotary embedding, which the kernel applies itself."""
+    unrotated with vLLM's rotary embedding, which the kernel applies itself; ``bias``: a q and a k
+    bias (Huginn's) that the kernel adds as it loads them, before RoPE."""
     paged, scratch, rows, bank_ids, depths, q, k, v = lane_attention_case(layout, device, dtype, heads=heads, D=D,
                                                                           prefix0=prefix0)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    rope_args = None
+    rope_args = bias_args = None
     if rope is not None:
         positions = (rows.prefix + torch.arange(rows.prefix.shape[0], device=rows.prefix.device)) % 1024
         rope_args = (rotary_case(D, rope, device, dtype), positions)
+    if bias:  # large enough that its place (before RoPE) shows
+        g = torch.Generator().manual_seed(7)
+        bias_args = tuple((torch.randn(h * D, generator=g) * 0.5).to(dtype).to(device) for h in heads)
     inputs = (q.clone(), k.clone(), v)  # vLLM's rotary rotates in place on some devices
     before = scratch.kv.clone()
-    want = LaneAttention(paged, scratch, rows)(bank_ids, depths, *inputs, D**-0.5, rope=rope_args)
+    want = LaneAttention(paged, scratch, rows)(bank_ids, depths, *inputs, D**-0.5, rope=rope_args, bias=bias_args)
     kv_torch = scratch.kv.clone()
     scratch.kv.copy_(before)
     scratch.kv[bank_ids[depths], rows.slots] = float("nan")  # the kernel must store the rows' own K/V itself
-    got = LaneAttention(paged, scratch, rows, kernel=kernel)(bank_ids, depths, q, k, v, D**-0.5, rope=rope_args)
-    if rope is None:
+    got = LaneAttention(paged, scratch, rows, kernel=kernel)(bank_ids, depths, q, k, v, D**-0.5, rope=rope_args,
+                                                             bias=bias_args)
+    if rope is None and not bias:
         assert torch.equal(scratch.kv, kv_torch)  # both write the rows' own K/V the same way
-    else:  # the rotated K the same up to the rotation's rounding
+    else:  # the biased, rotated K the same up to the rotation's rounding
         torch.testing.assert_close(scratch.kv, kv_torch, atol=tol, rtol=tol)
     torch.testing.assert_close(got[:-1].float(), want[:-1].float(), atol=tol, rtol=tol)  # real rows
     assert torch.isfinite(got).all()  # the padding row attends to itself only: finite, unused
@@ -118,7 +123,10 @@ CASES = [(layout, heads, D, 37, split, None) for layout in ("split-last", "cpu-k
          ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8}, "neox"),
          # the two-pass merge (a second kernel) beside the default one-pass merge (the last program)
          ("split-last", (4, 2), 32, 600, {"split": 32, "merge": "two-pass"}, None),
-         ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8, "merge": "two-pass"}, "neox")]
+         ("cpu-kt", (3, 3), 24, 37, {"split": 16, "pieces": 8, "merge": "two-pass"}, "neox"),
+         # Huginn's q / k bias added by the kernel (before its RoPE, or with none)
+         ("split-last", (4, 4), 32, 100, {"split": 32, "bias": True}, "neox"),
+         ("cpu-kt", (3, 3), 24, 37, {"bias": True}, None)]
 
 
 def test_triton_lane_attention_equals_the_torch_path():
@@ -126,8 +134,8 @@ def test_triton_lane_attention_equals_the_torch_path():
     in-page layouts, a prefix spanning three non-contiguous blocks, ancestors, a padding row; the
     prefix in one piece and split over programs (two pieces; 19, more than one merge step), or over
     a fixed number of programs (each walking more than ``split``; some with nothing to walk); RoPE
-    applied by the kernel (NeoX over the whole head, GPT-J pairs over half of it); merged by the last
-    program of each (lane, head) and, two-pass, by a second kernel.
+    applied by the kernel (NeoX over the whole head, GPT-J pairs over half of it); a q / k bias added
+    by the kernel; merged by the last program of each (lane, head) and, two-pass, by a second kernel.
 
     In a fresh process: Triton's interpreter must be on before anything imports Triton (vLLM does)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -302,10 +310,11 @@ def _compile_for_hopper() -> None:
     norm_add_norm.add_norm_norm(torch.empty(4, 2048, dtype=bf16), torch.empty(4, 2048, dtype=bf16), w, 1e-6, w, 1e-6)
     paged, scratch, rows, bank_ids, depths, q, k, v = lane_attention_case("split-last", "cpu", bf16, heads=(16, 16),
                                                                           D=128)
-    for merge in ("one-pass", "two-pass"):
+    bias = (torch.zeros(16 * 128, dtype=bf16),) * 2  # Huginn's q / k bias
+    for merge, qk_bias in (("one-pass", None), ("two-pass", None), ("one-pass", bias)):
         lane_attention.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, bank_ids, depths, rows.prefix,
                                       rows.slots, rows.block_rows, rows.ancestors, scratch.kv, 128**-0.5,
-                                      merge=merge)
+                                      merge=merge, bias=qk_bias)
     names = {name for name, _ in built}
     assert names == {"_skinny_gemm_kernel", "_norm_add_norm_kernel", "_add_norm_norm_kernel", "_lane_kernel",
                      "_merge_kernel"}, names
@@ -377,7 +386,10 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
     from functools import partial
 
     for layout, heads, D, prefix0, split, rope in CASES:
-        compare(partial(lane_attention, **split), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope)
+        options = dict(split)
+        bias = options.pop("bias", False)
+        compare(partial(lane_attention, **options), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope,
+                bias=bias)
         print(f"OK {layout} heads={heads} D={D} prefix={prefix0} split={split} rope={rope}", flush=True)
 
 

@@ -163,21 +163,24 @@ class LaneAttention:
         self.mask = torch.cat([j.unsqueeze(0) < rows.prefix.unsqueeze(1), own >= 0], dim=1)
 
     def __call__(self, bank_ids: torch.Tensor, depths: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, scale: float, rope=None):
+                 v: torch.Tensor, scale: float, rope=None, bias=None):
         """``q [n, Hq, D]``, ``k, v [n, H, D]`` of rows at global banks ``bank_ids[depths]`` (the layer's
         banks, ``depths [n]``) -> ``[n, Hq, D]``. ``rope``: ``(rotary_emb, positions)`` (vLLM's rotary
-        embedding, not yet applied to q and k), or None."""
+        embedding, not yet applied to q and k), or None. ``bias``: ``(q bias [Hq * D], k bias [H * D])``
+        added to q and k before RoPE (Huginn's), or None."""
         kv = self.scratch.kv
         if self.kernel is not None:  # it looks the banks up and stores the rows' own K/V itself
-            kernel_rope = None
-            if rope is not None and fusable_rope(rope[0]):  # and applies RoPE as it loads q and k
-                rotary, positions = rope
-                kernel_rope, rope = (positions, rotary._match_cos_sin_cache_dtype(q), rotary.is_neox_style), None
-            q, k = rotated(rope, q, k)
+            kernel_rope = kernel_bias = None
+            if rope is None or fusable_rope(rope[0]):  # and adds the bias and applies RoPE as it loads q and k
+                kernel_bias, bias = bias, None
+                if rope is not None:
+                    rotary, positions = rope
+                    kernel_rope, rope = (positions, rotary._match_cos_sin_cache_dtype(q), rotary.is_neox_style), None
+            q, k = rotated(rope, *biased(bias, q, k))
             r = self.rows
             return self.kernel(q, k, v, self.paged.k, self.paged.v, self.paged.page_of, bank_ids, depths, r.prefix,
-                               r.slots, r.block_rows, r.ancestors, kv, scale, rope=kernel_rope)
-        q, k = rotated(rope, q, k)
+                               r.slots, r.block_rows, r.ancestors, kv, scale, rope=kernel_rope, bias=kernel_bias)
+        q, k = rotated(rope, *biased(bias, q, k))
         banks = bank_ids[depths]
         kv[banks, self.rows.slots, 0] = k.to(kv.dtype)
         kv[banks, self.rows.slots, 1] = v.to(kv.dtype)
@@ -192,6 +195,13 @@ class LaneAttention:
         scores = scores.masked_fill(~self.mask.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("nhm,nmhd->nhd", probs, V.float()).to(q.dtype)
+
+
+def biased(bias, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [n, Hq, D]``, ``k [n, H, D]`` plus ``bias = (q bias [Hq * D], k bias [H * D])`` (None: as they are)."""
+    if bias is None:
+        return q, k
+    return q + bias[0].view(q.shape[1:]), k + bias[1].view(k.shape[1:])
 
 
 def rotated(rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,10 +45,11 @@ GEMM_ENV = "VLLM_LOOP_LANE_GEMM"
 
 # LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call
 # the runner installs its lane attention here, and every ``bank`` argument is a tensor of per-row
-# depths instead of one int: ``attend(bank_ids, depths [n], q [n, Hq, D], k, v [n, Hkv, D], scale, rope)``,
-# row i at global bank ``bank_ids[depths[i]]`` (the attention looks it up: one kernel less per layer),
-# q and k not yet rotated: ``rope = (rotary_emb, positions)`` is applied by the attention (the kernel
-# fuses it where it can).
+# depths instead of one int: ``attend(bank_ids, depths [n], q [n, Hq, D], k, v [n, Hkv, D], scale, rope,
+# bias)``, row i at global bank ``bank_ids[depths[i]]`` (the attention looks it up: one kernel less per
+# layer), q and k without their bias (``bias``: (q bias, k bias) flat, or None) and not yet rotated
+# (``rope = (rotary_emb, positions)``): the attention adds and applies them (the kernel fuses both where
+# it can).
 _lane_attention: Callable | None = None
 
 
@@ -240,15 +241,17 @@ class BankedAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q, k = qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, self.tp)
-        if self.qk_bias is not None:
-            q = q + self.qk_bias[0].reshape(-1)
-            k = k + self.qk_bias[1].reshape(-1)  # Huginn is MHA: one k bias per query head
-        # a LoopSpec lane call: each row reads its own bank, and RoPE is the lane attention's (it may fuse it)
+        # Huginn is MHA: one k bias per query head
+        bias = None if self.qk_bias is None else (self.qk_bias[0].reshape(-1), self.qk_bias[1].reshape(-1))
+        # a LoopSpec lane call: each row reads its own bank, and the q / k bias and RoPE are the lane
+        # attention's (it may fuse them)
         if isinstance(bank, torch.Tensor):
             n, D = q.shape[0], self.head_dim
             attn = _lane_attention(self.bank_ids, bank, q.view(n, -1, D), k.view(n, -1, D), v.view(n, -1, D),
-                                   self.scale, rope=(self.rotary_emb, positions)).reshape(n, -1)
+                                   self.scale, rope=(self.rotary_emb, positions), bias=bias).reshape(n, -1)
         else:
+            if bias is not None:
+                q, k = q + bias[0], k + bias[1]
             q, k = self.rotary_emb(positions, q, k)
             attn = self.banks[bank](q, k, v)
         return lane_linear(getattr(self, self.out_name), attn)
