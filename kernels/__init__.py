@@ -2,8 +2,9 @@
 
 * ``lane_attention`` -- LoopSpec's lane attention: every lane at its own depth (KV bank) reads its
   request's committed prefix from vLLM's paged cache (split over programs) and its uncommitted
-  ancestors and itself from the lane pool, with an online softmax, adding a q / k bias (Huginn's) and applying RoPE as it loads q and
-  k (``vllm_loop/loopspec/lane_kv.py`` has the PyTorch path it is tested against).
+  ancestors and itself from the lane pool, with an online softmax, adding a q / k bias (Huginn's) and
+  applying RoPE as it loads q and k (``vllm_loop/loopspec/lane_kv.py`` has the PyTorch path it is
+  tested against).
 * ``norm_add_norm`` -- the seams of sandwich-norm layers, two RMSNorms and the add in one kernel:
   Ouro's ``second(first(x) + residual)`` and Huginn's ``first(a + x)`` then ``second``, in lane calls
   and in vLLM's forward when it is not compiled.

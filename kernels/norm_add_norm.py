@@ -14,7 +14,8 @@ CUDA graph. Two seams:
 The arithmetic is vLLM's native ``rms_norm`` / ``fused_add_rms_norm`` and PyTorch's add (``vllm.ir``):
 fp32 statistics, each norm rounded to the input dtype before its weight, the product rounded.
 
-On CUDA they launch with PDL when ``kernels/pdl.py`` says so. Run on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how CI checks them against vLLM's norms).
+On CUDA they launch with PDL when ``kernels/pdl.py`` says so. Run on CUDA, and on the CPU under
+``TRITON_INTERPRET=1`` (how CI checks them against vLLM's norms).
 """
 
 from __future__ import annotations
