@@ -158,6 +158,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0
         raise ValueError(f"skinny_gemm: x {x.dtype}, w {w.dtype}; allowed: both of one of {DTYPES}")
     config = GemmConfig(*config)
     pdl = use_pdl(x.device) if pdl is None else pdl
+    gdc = compiled(pdl)  # PDL's order always; its wait and launch where compiled
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -172,9 +173,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0
     _skinny_gemm_kernel[(tiles, splits)](x, x.stride(0), w, w.stride(0), out, out.stride(0), part, counters,
                                          M, N, K, k_slice, BLOCK_M=block_m, BLOCK_N=config.block_n,
                                          BLOCK_K=config.block_k, SPLITS=splits, IEEE=x.dtype == torch.float32,
-                                         GATED=gated, PREFETCH=prefetch, PEEL=pdl, GDC=compiled(pdl),
-                                         num_warps=config.warps, num_stages=config.stages,
-                                         launch_pdl=compiled(pdl))
+                                         GATED=gated, PREFETCH=prefetch, PEEL=pdl, GDC=gdc,
+                                         num_warps=config.warps, num_stages=config.stages, launch_pdl=gdc)
     return out
 
 

@@ -432,15 +432,11 @@ def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
     programs per (lane, head); RoPE applied by the kernel against vLLM's rotary kernel; merged by the
     last program (these few rows' default) and by a second kernel (two-pass, many rows' default); a
     q / k bias added by the kernel before its RoPE (Huginn's)."""
-    from functools import partial
-
-    from test_lane_kernels import compare
+    from test_lane_kernels import compare, kernel_of
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    options = dict(split)
-    bias = options.pop("bias", False)
-    compare(partial(lane_attention, **options), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
-            tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope, bias=bias)
+    compare(*kernel_of(lane_attention, split), "split-last", "cuda", dtype=dtype, heads=heads, D=D,
+            tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope)
 
 
 def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):

@@ -80,8 +80,18 @@ def rotary_case(D: int, rope: str, device: str, dtype):
     return rotary.to(device)
 
 
-def compare(kernel, layout: str, device: str, dtype=torch.float32, heads=(4, 2), D=32, tol=1e-5, prefix0=37,
-            rope: str | None = None, bias: bool = False):
+def kernel_of(lane_attention, options: dict):
+    """A case's kernel (``lane_attention`` with the case's split / pieces / merge) and whether it has a
+    q / k bias (``options["bias"]``), as ``compare`` takes them."""
+    from functools import partial
+
+    options = dict(options)
+    bias = options.pop("bias", False)
+    return partial(lane_attention, **options), bias
+
+
+def compare(kernel, bias: bool, layout: str, device: str, dtype=torch.float32, heads=(4, 2), D=32, tol=1e-5,
+            prefix0=37, rope: str | None = None):
     """The kernel against the PyTorch lane attention; ``rope`` ("neox" / "gptj"): q and k come
     unrotated with vLLM's rotary embedding, which the kernel applies itself; ``bias``: a q and a k
     bias (Huginn's) that the kernel adds as it loads them, before RoPE."""
@@ -383,13 +393,8 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
         sys.exit(0)
     from vllm_loop_kernels.lane_attention import lane_attention
 
-    from functools import partial
-
     for layout, heads, D, prefix0, split, rope in CASES:
-        options = dict(split)
-        bias = options.pop("bias", False)
-        compare(partial(lane_attention, **options), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope,
-                bias=bias)
+        compare(*kernel_of(lane_attention, split), layout, "cpu", heads=heads, D=D, prefix0=prefix0, rope=rope)
         print(f"OK {layout} heads={heads} D={D} prefix={prefix0} split={split} rope={rope}", flush=True)
 
 
