@@ -43,6 +43,9 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``SYSTEM-unfused`` (a LoopSpec system above) -- the same engine with the lane calls' SiLU-and-mul and
   down projection as vLLM's two kernels (``VLLM_LOOP_LANE_SWIGLU=0``; the default since 2026-12-04 fuses
   them, ``kernels/skinny_gemm.py: swiglu_down``);
+* ``SYSTEM-stepN`` (a LoopSpec system above; suffixes in any order, e.g. ``loopspec-tuned-step64-pdl``)
+  -- ``"step_tokens": N``: up to N drafts a request a step, and, while no
+  request waits to join, lane steps of up to max(R, 16, N) recurrent steps (``runner.LOCKSTEP``);
 * ``SYSTEM-tgemm`` / ``SYSTEM-pdl`` (a LoopSpec system above, either or both, e.g. ``loopspec-auto-tgemm-pdl``)
   -- the lane calls' projections on the few-rows Triton GEMM instead of cuBLAS (``VLLM_LOOP_LANE_GEMM=triton``)
   / every Triton kernel launched with programmatic dependent launch (``VLLM_LOOP_PDL=1``, ``kernels/pdl.py``);
@@ -74,6 +77,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -111,21 +115,26 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
            "loopspec-tuned", "loopspec-tuned-late", "in-tree")
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3}}
-# suffixes to a LoopSpec system, after any other: the environment of its lane kernels (the docstring)
+# suffixes to a LoopSpec system (any order, split_system): the environment of its lane kernels (the docstring)
 LANE_KERNELS = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
                 "-pdl": ("VLLM_LOOP_PDL", "1")}
 
 
-def split_system(system: str) -> tuple[str, dict | None, dict[str, str]]:
-    """The system without its suffixes; the compilation suffix's config (None: none) and the
-    environment its lane-kernel suffixes set."""
-    env = {}
-    while suffix := next((x for x in LANE_KERNELS if system.endswith(x)), None):
-        key, value = LANE_KERNELS[suffix]
-        system, env[key] = system.removesuffix(suffix), value
-    system, compilation = next(((system.removesuffix(x), c) for x, c in COMPILATION.items() if system.endswith(x)),
-                               (system, None))
-    return system, compilation, env
+def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | None]:
+    """The system without its suffixes; the compilation suffix's config (None: none), the
+    environment its lane-kernel suffixes set, and the ``step_tokens`` of a ``-stepN`` suffix (None:
+    the system's own). The suffixes may come in any order."""
+    compilation, env, step_tokens = None, {}, None
+    while True:
+        if suffix := next((x for x in LANE_KERNELS if system.endswith(x)), None):
+            key, value = LANE_KERNELS[suffix]
+            system, env[key] = system.removesuffix(suffix), value
+        elif suffix := next((x for x in COMPILATION if system.endswith(x)), None):
+            system, compilation = system.removesuffix(suffix), COMPILATION[suffix]
+        elif match := re.fullmatch(r"(loopspec.*)-step(\d+)", system):
+            system, step_tokens = match[1], int(match[2])
+        else:
+            return system, compilation, env, step_tokens
 
 
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
@@ -171,7 +180,7 @@ def _start(args, system: str, max_num_seqs: int):
     gpu = torch.cuda.is_available()
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
-    system, compilation, env = split_system(system)
+    system, compilation, env, step_tokens = split_system(system)
     os.environ.update(env)  # read by the lane calls, in the engine's processes (started below)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
               enforce_eager=system in args.eager.split(",") or not gpu, trust_remote_code=system == "in-tree")
@@ -188,6 +197,8 @@ def _start(args, system: str, max_num_seqs: int):
         kw["speculative_config"]["step_tokens"] = 0
     elif "-pad" in system:  # -pad: 16, -pad32: 32
         kw["speculative_config"]["step_tokens"] = int(system.split("-pad")[1] or 16)
+    if step_tokens is not None:
+        kw["speculative_config"]["step_tokens"] = step_tokens
     if system.startswith("loopspec-tuned"):  # the tuner's depths replace the spec's (no d2: single proposal)
         kw["speculative_config"] = {k: v for k, v in kw["speculative_config"].items() if k not in ("d1", "d2")} | \
             tuned_depths(args.tuned)

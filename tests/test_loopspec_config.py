@@ -74,6 +74,46 @@ def test_step_tokens_sets_the_drafts_a_step_schedules(ckpt_factory):
     assert _config(ouro, {"method": "loopspec", "step_tokens": 2}).speculative_config.num_speculative_tokens == 4
 
 
+def test_lockstep_goes_to_step_tokens_only_while_no_request_waits(ckpt_factory):
+    """Once every request of a lane step has committed, the step goes on in lockstep: up to
+    max(R, 16) recurrent steps while requests wait to join, up to max(R, 16, step_tokens) while none
+    does (as the scheduler saw it)."""
+    from types import SimpleNamespace
+
+    from vllm_loop.loopspec.pipeline import RequestPipeline
+    from vllm_loop.loopspec.runner import LoopSpecRunner, _Live, _Row
+    from vllm_loop.loopspec.scheduler import LoopSpecScheduler
+
+    runner = LoopSpecRunner(_config(ckpt_factory("ouro"), {"method": "loopspec", "step_tokens": 32}))
+    pipe = RequestPipeline(runner.schedule)
+    pipe.start(token=5, position=3)
+    row = _Row(_Live("r", pipe), index=0, cap=33, state=None, tokens=[7])  # committed once, room for 32 more
+
+    def steps_taken(waiting: bool) -> int:
+        runner._waiting = waiting
+        return next(steps for steps in range(100) if not runner._more_steps([row], steps))
+
+    assert (steps_taken(True), steps_taken(False)) == (16, 32)
+    # until every request has committed once, whatever the bound
+    assert runner._more_steps([row, _Row(_Live("s", pipe), 1, 33, None)], 99)
+    # the default step_tokens (16): the same bound either way, as before it depended on waiting requests
+    default = LoopSpecRunner(_config(ckpt_factory("ouro"), {"method": "loopspec"}))
+    assert default.lockstep == default.lockstep_joining == 16
+
+    # the scheduler stamps each step with whether requests still wait (waiting, or skipped this step)
+    scheduler = object.__new__(LoopSpecScheduler)
+    scheduler._arrivals = 0
+    for waiting, skipped, expected in (([], [], False), (["q"], [], True), ([], ["q"], True)):
+        scheduler.waiting, scheduler.skipped_waiting = waiting, skipped
+        so = SimpleNamespace()
+        scheduler._stamp(so, True, 0.0)
+        assert so.loopspec_waiting is expected
+    # a step without the stamp: requests are assumed to wait (the shorter bound)
+    from vllm_loop.loopspec.runner import _requests_waiting
+
+    assert _requests_waiting(SimpleNamespace()) is True
+
+
 BAD = [
     ({"method": "loopspec", "draft": 2}, "unknown key(s) 'draft'; allowed keys: method, d1, d2, gate, late, max_lanes, "
                                          "lanes, lane_graphs, lane_attention, lane_overlap, step_tokens"),

@@ -87,6 +87,9 @@ GREEDY_CASES = {
     # drafts = the lane chain alone (step_tokens 0; by default padded to 16)
     "ouro-agree-1:2-chain": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
                                             "step_tokens": 0}, {}),
+    # 32 drafts a step: while no request waits to join, a lane step goes on to 32 recurrent steps (16 else)
+    "ouro-agree-1:2-step32": ("ouro-agree", {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
+                                             "step_tokens": 32}, {}),
     "ouro-1:2-chunked": ("ouro", {"method": "loopspec", "lanes": "on"}, {"max_num_batched_tokens": 16}),
     "raven-R8-2:4": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4}, {}),
     "raven-R8-2:4-no-prefix-cache": ("raven-llama-R8", {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 4},
@@ -140,6 +143,8 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         free_before = free_kv_blocks(llm)
         got = run_jobs(llm, greedy_jobs())
         totals = _totals(llm)
+        if spec.get("step_tokens", 16) > 16:
+            got["lone"], lone_steps = _lone_request(llm)
         hits = _metric(llm, "vllm:prefix_cache_hits")
         assert free_kv_blocks(llm) == free_before
         census = llm.collective_rpc(lane_census)[0]
@@ -160,6 +165,9 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         assert got[job.request_id] == vanilla[job.request_id], f"{case}: {job.request_id} LoopSpec on != off"
         want = ref.greedy_generate(job.prompt, job.params.max_tokens)
         assert got[job.request_id] == want, f"{case}: {job.request_id} != reference"
+    if "lone" in got:  # alone, nothing waits: lane steps of more than 16 recurrent steps
+        assert got["lone"] == ref.greedy_generate(LONE_PROMPT, LONE_TOKENS)
+        assert lone_steps > 16, lone_steps
     # the lanes did the decoding, and requests joined while others were decoding
     assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["late"] + totals["full"] > 100
     assert totals["standard_steps"] > 0, "no prefill joined running lane requests"
@@ -176,6 +184,21 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
     assert (totals["late"] > 0) if spec.get("late") else (totals["late_verified"] == 0), totals
     if options.get("enable_prefix_caching", True):
         assert hits > 0, "the shared prefixes must hit the prefix cache"
+
+
+LONE_PROMPT, LONE_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18], 100
+
+
+def _lone_request(llm) -> tuple[list[int], float]:
+    """One request alone in the engine: its greedy tokens and its recurrent steps per lane step."""
+    from vllm import SamplingParams
+
+    before = _totals(llm)
+    out = llm.generate([{"prompt_token_ids": LONE_PROMPT}], SamplingParams(max_tokens=LONE_TOKENS, temperature=0.0,
+                                                                           ignore_eos=True), use_tqdm=False)
+    after = _totals(llm)
+    steps = (after["recurrent_steps"] - before["recurrent_steps"]) / (after["lane_steps"] - before["lane_steps"])
+    return list(out[0].outputs[0].token_ids), steps
 
 
 # -- lanes "auto": the policy switches whole engine steps between lanes and plain decoding -------------------------

@@ -31,7 +31,8 @@ see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton
 likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
 the other, see ``runner.py``), ``step_tokens`` (default 16: each request is scheduled at least this
 many drafts a step, its lane chain padded to it, so a lane step may commit up to 1 + that many tokens
-a request before vLLM's scheduler runs again; 0: the chain alone; at most 256). Both depths omitted:
+a request before vLLM's scheduler runs again, and above 16 may run that many recurrent steps while no
+request waits to join, see ``runner.py``; 0: the chain alone; at most 256). Both depths omitted:
 the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 
 Compilation: a LoopSpec engine on one CUDA GPU skips ``torch.compile`` unless the user sets it

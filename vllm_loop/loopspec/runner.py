@@ -51,7 +51,11 @@ from vllm_loop.models.layers import bank_prefix
 
 logger = get_logger(__name__)
 
-LOCKSTEP = 16  # recurrent steps an engine step may take past its first commits (Ouro-1.4B, H200: ~40 ms)
+# Recurrent steps an engine step may take past its first commits while requests wait to join (Ouro-1.4B,
+# H200: ~27 ms at one request). With none waiting it may go on to ``step_tokens`` recurrent steps: the
+# engine step around a lane step (vLLM's scheduler, the step's output) took ~0.56 ms on the H200 at one
+# request beyond the lane step itself, ~2 % of Ouro-1.4B's decode (benchmarks/RESULTS.md, twenty-fifth run).
+LOCKSTEP = 16
 
 
 def _named(name: str):
@@ -77,6 +81,12 @@ def triton_lane_attention(cuda: bool):
 def _lanes_on(so) -> bool:
     """The lanes policy's decision for this step (set by ``LoopSpecScheduler.schedule``)."""
     return getattr(so, "loopspec_lanes", True)
+
+
+def _requests_waiting(so) -> bool:
+    """Whether requests waited to join when this step was scheduled (``LoopSpecScheduler``; unknown:
+    assumed so, which keeps the shorter lockstep bound)."""
+    return getattr(so, "loopspec_waiting", True)
 
 
 def lane_sampling(sp) -> SamplingParams | None:
@@ -198,6 +208,10 @@ class LoopSpecRunner:
         self.max_lanes = int(k["max_lanes"])
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.pad_drafts = k.get("step_tokens", 0) > 0  # step_drafts
+        # the lockstep bounds (``_more_steps``): while no request waits to join, and while some do
+        self.lockstep = max(self.schedule.R, LOCKSTEP, k.get("step_tokens", 0))
+        self.lockstep_joining = max(self.schedule.R, LOCKSTEP)
+        self._waiting = True  # this engine step's: did requests wait to join when it was scheduled
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
@@ -248,6 +262,7 @@ class LoopSpecRunner:
         if not _lanes_on(scheduler_output) or not self._is_lane_step(scheduler_output):
             return None
         start = time.perf_counter()
+        self._waiting = _requests_waiting(scheduler_output)
         runner._update_states(scheduler_output)
         self._ensure_storage(runner)
         before = self._pipeline_stats()
@@ -279,15 +294,17 @@ class LoopSpecRunner:
         requests go on in lockstep (fewer scheduler round trips) until one of them may commit no more
         (its cap: 1 + its scheduled drafts) or has finished, for at most max(R, LOCKSTEP) recurrent
         steps in all, which bounds how long a new request waits to join (the cap alone would not:
-        at low acceptance a request commits a token only every R steps). ``pending``: commits of an
-        enqueued step, by ``id(row)``, counted as if made (a commit is known before its token)."""
+        at low acceptance a request commits a token only every R steps); for at most
+        max(R, LOCKSTEP, step_tokens) when no request was waiting as the step was scheduled.
+        ``pending``: commits of an enqueued step, by ``id(row)``, counted as if made (a commit is
+        known before its token)."""
         pending = pending or {}
         done = [row.done_after(pending.get(id(row), 0)) for row in rows]
         if all(done):
             return False
         if not all(row.tokens or pending.get(id(row)) for row in rows):
             return True
-        return not any(done) and steps < max(self.schedule.R, LOCKSTEP)
+        return not any(done) and steps < (self.lockstep_joining if self._waiting else self.lockstep)
 
     def after_standard_step(self, runner, scheduler_output, output) -> None:
         """After vLLM's own step: keep each request's lanes on the committed path (or start them),

@@ -137,8 +137,11 @@ class LoopSpecScheduler(Scheduler):
         return so
 
     def _stamp(self, so, lanes: bool, start: float) -> None:
-        """What the step carries to its update: its mode, when it was scheduled, the arrivals before it."""
+        """What the step carries to its worker and its update: its mode, whether requests still wait,
+        when it was scheduled, the arrivals before it."""
         so.loopspec_lanes, so.loopspec_start = lanes, start
+        # requests left waiting: the lane step keeps to the shorter lockstep bound (runner._more_steps)
+        so.loopspec_waiting = bool(self.waiting or self.skipped_waiting)
         so.loopspec_arrivals, self._arrivals = self._arrivals, 0
 
     def update_from_output(self, scheduler_output, model_runner_output):
