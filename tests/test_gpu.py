@@ -179,6 +179,9 @@ LOOPSPEC = {  # name -> (family, options, overrides, speculative config)
     # drafts = the lane chain alone, not padded to step_tokens' default 16
     "ouro-agree-1:2-chain": ("ouro", {"agreement": "0.005"}, {},
                              {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2, "step_tokens": 0}),
+    # 32 drafts a step: lane steps of up to 32 recurrent steps while no request waits to join
+    "ouro-agree-1:2-step32": ("ouro", {"agreement": "0.005"}, {},
+                              {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2, "step_tokens": 32}),
     "raven-olmo2-R32-2:8": ("huginn_raven", {"layout": "olmo2", "state_init": "seeded", "agreement": "0.5"},
                             {"mean_recurrence": 32}, {"method": "loopspec", "lanes": "on", "d1": 2, "d2": 8}),
     # the tuner's schedule for the Huginn-0125 shape at agreement 0.001 (a lane every recurrent step), on a
@@ -221,13 +224,13 @@ LANE_KERNELS = {"default": {}, "triton-gemm-pdl": {"VLLM_LOOP_LANE_GEMM": "trito
 
 
 @pytest.mark.parametrize("kernels", list(LANE_KERNELS))
-@pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2"])
+@pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2", "ouro-agree-1:2-step32"])
 def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels):
     """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
     FULL_DECODE_ONLY: no Dynamo / Inductor at start-up; vLLM's forward eager with its full decode
     graphs, the lane graphs as always): identical to the reference; also with the lanes' projections
     on the Triton GEMM and every Triton kernel launched with PDL (the engine-core process inherits
-    the environment)."""
+    the environment); and with 32 drafts a step (``step32``: longer lane steps)."""
     for key, value in LANE_KERNELS[kernels].items():
         monkeypatch.setenv(key, value)
     _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False)

@@ -343,6 +343,28 @@ def test_tree_reroot_keeps_the_committed_path():
     assert tree.ancestors(a2) == [a1]
 
 
+def test_ancestor_slots_in_one_pass_equal_the_walk_up_the_tree():
+    """The runner's one-pass ancestry (``LoopSpecRunner._ancestor_slots``) gives every lane the slots of
+    ``tree.ancestors`` (without the root about to be committed, when it is skipped)."""
+    from vllm_loop.loopspec.runner import LoopSpecRunner
+
+    tree = BranchTree()
+    root = tree.start(1, 0)
+    a = tree.spawn(root, 2, CommitSource.FIRST)
+    b = tree.spawn(root, 9, CommitSource.SECOND)
+    a1 = tree.spawn(a, 3, CommitSource.FIRST)
+    tree.spawn(a1, 4, CommitSource.FIRST)
+    tree.spawn(b, 8, CommitSource.FIRST)
+    for i, lane in enumerate(tree.lanes):
+        lane.slot = 10 + 3 * i
+    chains = LoopSpecRunner._ancestor_slots(tree.lanes)
+    assert chains == {lane: [x.slot for x in tree.ancestors(lane)] for lane in tree.lanes}
+    assert chains[tree.lanes[4]] == [10, 13, 19]  # a2: root, a, a1
+    stay = [lane for lane in tree.lanes if lane is not root]
+    assert LoopSpecRunner._ancestor_slots(stay, skip=root) == {
+        lane: [x.slot for x in tree.ancestors(lane) if x is not root] for lane in stay}
+
+
 def test_step_drafts_pad_a_short_chain_to_the_step_budget():
     from vllm_loop.loopspec.runner import step_drafts
 

@@ -26,6 +26,7 @@ buffers are tested everywhere and only the capture needs a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class LaneBatch:
         return host
 
     @classmethod
-    def pack(cls, lanes: list[tuple[int, int, int, int, int, int]], ancestry: list[list[int]],
+    def pack(cls, lanes: Sequence[tuple[int, int, int, int, int, int]], ancestry: Sequence[list[int]],
              table_rows: np.ndarray, *, rows: int, ancestors: int, context: int, pad_slot: int) -> LaneBatch:
         """``lanes[i]``: (slot, position, depth, token, prefix, source) of real row i; ``ancestry[i]`` its
         ancestors' slots; ``table_rows[i]`` its request's block-table row. Rows ``len(lanes)..rows``
@@ -67,8 +68,9 @@ class LaneBatch:
         n = len(lanes)
         host = cls.empty(rows, ancestors, table_rows.shape[1], pad_slot)
         host[:n, :FIXED] = lanes
-        for i, slots in enumerate(ancestry):
-            host[i, FIXED:FIXED + len(slots)] = slots
+        if ancestors:  # one assignment of the rows' slots, -1 padded (a loop of row assignments cost more)
+            pad = [-1] * ancestors
+            host[:n, FIXED:FIXED + ancestors] = [slots + pad[len(slots):] for slots in ancestry]
         host[:n, FIXED + ancestors:] = table_rows
         return cls(host, ancestors, context, n)
 

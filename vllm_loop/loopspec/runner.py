@@ -147,7 +147,7 @@ class _CallRow(NamedTuple):
     def deeper(self) -> _CallRow:
         """The same lane one depth further (its readout after a core step)."""
         f = self.fields
-        return self._replace(fields=f[:DEPTH] + (f[DEPTH] + 1,) + f[DEPTH + 1:])
+        return _CallRow(f[:DEPTH] + (f[DEPTH] + 1,) + f[DEPTH + 1:], self.ancestors, self.batch_row)
 
 
 @dataclass(eq=False)
@@ -485,28 +485,39 @@ class LoopSpecRunner:
         return rows
 
     @staticmethod
-    def _call_row(row: _Row, lane: Lane, prefix: int | None = None, ancestors: list[Lane] | None = None) -> _CallRow:
-        """``lane`` as a row of a lane call; ``prefix`` / ``ancestors``: the request's as they will be
-        (default: as they are)."""
+    def _call_row(row: _Row, lane: Lane, prefix: int | None = None, ancestors: list[int] | None = None) -> _CallRow:
+        """``lane`` as a row of a lane call; ``prefix`` / ``ancestors`` (their slots): the request's as
+        they will be (default: as they are)."""
         pipe = row.live.pipe
         prefix = pipe.root.position if prefix is None else prefix
-        ancestors = pipe.tree.ancestors(lane) if ancestors is None else ancestors
-        return _CallRow((lane.slot, lane.position, lane.depth, lane.token, prefix, -1), [a.slot for a in ancestors],
-                        row.index)
+        ancestors = [a.slot for a in pipe.tree.ancestors(lane)] if ancestors is None else ancestors
+        return _CallRow((lane.slot, lane.position, lane.depth, lane.token, prefix, -1), ancestors, row.index)
+
+    @staticmethod
+    def _ancestor_slots(lanes: list[Lane], skip: Lane | None = None) -> dict[Lane, list[int]]:
+        """The slots of each lane's uncommitted ancestors, oldest first, leaving out ``skip`` (a root
+        about to be committed): one pass over ``lanes`` in birth order, where a parent comes before its
+        children, instead of a walk up the tree per lane (at many requests the host's time per lane is
+        a large part of a lane step: benchmarks/lane_host_costs.py)."""
+        chains: dict[Lane, list[int]] = {}
+        for lane in lanes:
+            parent = lane.parent
+            chains[lane] = [] if parent is None or parent is skip else chains[parent] + [parent.slot]
+        return chains
 
     def _lane_call(self, runner, kind: str, calls: list[_CallRow]):
         """Run lane call ``kind`` (``lane_graphs.KINDS``) on rows ``calls``: replayed from a CUDA graph
         when its shape has a bucket, else eagerly. Returns ``(logits, argmax)`` for ``logits``."""
         with _named(f"loopspec.{kind}"):
             n = len(calls)
-            context = max(call.fields[PREFIX] for call in calls)
-            ancestry = [call.ancestors for call in calls]
+            fields, ancestry, batch_rows = zip(*calls)
+            context = max(f[PREFIX] for f in fields)
             shape = self.graphs.shape(n, context) if self.graphs is not None else None
             rows, ctx = shape if shape is not None else (n, context)
             width = self.graphs.ancestors if shape is not None else max(map(len, ancestry), default=0)
             table = runner.input_batch.block_table[0].block_table.np
-            batch = LaneBatch.pack([call.fields for call in calls], ancestry, table[[call.batch_row for call in calls]],
-                                   rows=rows, ancestors=width, context=ctx, pad_slot=self.scratch.pad_slot)
+            batch = LaneBatch.pack(fields, ancestry, table[list(batch_rows)], rows=rows, ancestors=width, context=ctx,
+                                   pad_slot=self.scratch.pad_slot)
             if shape is not None:
                 return self.graphs(kind, batch)
             packed = upload(batch.columns(), self.scratch.kv.device)
@@ -523,9 +534,9 @@ class LoopSpecRunner:
         if not items:
             return None
         depths = self.schedule.readout_depths
-        self._lane_call(runner, "core", [call for *_, call in items])
+        self._lane_call(runner, "core", [call for _, _, call in items])
         readers = [(row, what, call.deeper()) for row, what, call in items if call.fields[DEPTH] + 1 in depths]
-        readout = self._lane_call(runner, "logits", [call for *_, call in readers]) if readers else None
+        readout = self._lane_call(runner, "logits", [call for _, _, call in readers]) if readers else None
         self._step.recurrent_steps += 1
         self._step.lanes_advanced += len(items)
         self._step.request_steps += len(rows)
@@ -534,8 +545,12 @@ class LoopSpecRunner:
 
     def _launch_real(self, runner, rows: list[_Row]) -> _Flight | None:
         """The next recurrent step of the requests' lanes as they are."""
-        return self._launch(runner, rows, [(row, lane, self._call_row(row, lane))
-                                           for row in rows for lane in row.live.pipe.lanes])
+        items = []
+        for row in rows:
+            lanes = row.live.pipe.lanes
+            chains = self._ancestor_slots(lanes)
+            items += [(row, lane, self._call_row(row, lane, ancestors=chains[lane])) for lane in lanes]
+        return self._launch(runner, rows, items)
 
     def _launch_expected(self, runner, rows: list[_Row], expected: dict[int, Expected]) -> _Flight | None:
         """The next recurrent step as each request's ``Expected`` outcome of this one has it (overlap):
@@ -546,19 +561,16 @@ class LoopSpecRunner:
             exp = expected[id(row)]
             pipe = row.live.pipe
             prefix = pipe.root.position + (exp.commit is not None)
-
-            def ancestors(lane, commit=exp.commit, tree=pipe.tree):
-                return [a for a in tree.ancestors(lane) if a is not commit]
-
-            items += [(row, lane, self._call_row(row, lane, prefix, ancestors(lane))) for lane in exp.stay]
+            chains = self._ancestor_slots(exp.stay, skip=exp.commit)
+            items += [(row, lane, self._call_row(row, lane, prefix, chains[lane])) for lane in exp.stay]
             for parent in exp.proposers:
                 slot = self.scratch.take()
                 if slot is None:
                     break  # no slot: the child, if spawned, starts a step later
                 child = _Planned(parent, slot)
                 # depth 0 at the next position; its token: the parent's readout, read on the device
-                call = _CallRow((slot, parent.position + 1, 0, 0, prefix, parent.slot),
-                                [a.slot for a in ancestors(parent) + [parent]], row.index)
+                call = _CallRow((slot, parent.position + 1, 0, 0, prefix, parent.slot), chains[parent] + [parent.slot],
+                                row.index)
                 planned[id(parent)] = child
                 pre.append(call)
                 items.append((row, child, call))
