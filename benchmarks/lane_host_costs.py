@@ -40,7 +40,7 @@ def stub_lane_calls() -> None:
 
     from vllm_loop.loopspec import lane_graphs
 
-    cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by padded rows
 
     def lane_call(model, paged, scratch, kind, packed, ancestors, context, kernel=None):
         if kind != "logits":
@@ -59,19 +59,18 @@ def measure(llm, requests: int, tokens: int, profile: int = 0) -> dict:
     """One batch of ``requests`` greedy requests of ``tokens`` new tokens; the runner's counters over it."""
     from vllm import SamplingParams
 
-    def totals():
-        return dict(llm.collective_rpc(lambda w: vars(w.model_runner.drafter.totals))[0])
+    from vllm_loop.testing.engines import runner_totals
 
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 400 + 5 for j in range(32)]} for i in range(requests)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    before = totals()
+    before = runner_totals(llm)
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
     llm.generate(prompts, params, use_tqdm=False)
     if prof:
         prof.disable()
-    after = totals()
+    after = runner_totals(llm)
     d = {k: after[k] - before[k] for k in ("lane_step_seconds", "recurrent_steps", "lanes_advanced", "lane_steps")}
     out = {"requests": requests, "lane_steps": d["lane_steps"], "recurrent_steps": d["recurrent_steps"],
            "lanes_per_step": d["lanes_advanced"] / d["recurrent_steps"],

@@ -347,7 +347,8 @@ def test_triton_lane_attention_in_the_engine(ckpt_factory):
 
 def _engine_run(path: str) -> None:
     from vllm_loop.reference import load_reference
-    from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs, start_llm, stop_llm, worker_functions
+    from vllm_loop.testing.engines import (greedy_jobs, lane_census, run_jobs, runner_totals, start_llm, stop_llm,
+                                           worker_functions)
 
     jobs = greedy_jobs(n=8)
     # step_tokens 0 (drafts = the lane chain): interpreted, this run took 590 s on 2 CPU cores with it and
@@ -360,7 +361,7 @@ def _engine_run(path: str) -> None:
         try:
             got = run_jobs(llm, jobs)
             census = llm.collective_rpc(lane_census)[0]
-            totals = dict(llm.collective_rpc(lambda w: vars(w.model_runner.drafter.totals))[0])
+            totals = runner_totals(llm)
         finally:
             stop_llm(llm)
     ref = load_reference(path)

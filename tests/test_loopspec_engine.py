@@ -30,6 +30,7 @@ from vllm_loop.testing.engines import (
     lane_census,
     mixed_batch,
     run_jobs,
+    runner_totals,
     start_llm,
     stop_llm,
     worker_functions,
@@ -61,10 +62,6 @@ def _engine(path, spec=None, **kw):
 
 def _metric(llm, name: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
-
-
-def _totals(llm) -> dict:
-    return dict(llm.collective_rpc(lambda w: vars(w.model_runner.drafter.totals))[0])
 
 
 # -- greedy: LoopSpec on == LoopSpec off == the reference -------------------------------------------------------
@@ -142,7 +139,7 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
     try:
         free_before = free_kv_blocks(llm)
         got = run_jobs(llm, greedy_jobs())
-        totals = _totals(llm)
+        totals = runner_totals(llm)
         if spec.get("step_tokens", 16) > 16:
             got["lone"], lone_steps = _lone_request(llm)
         hits = _metric(llm, "vllm:prefix_cache_hits")
@@ -193,10 +190,10 @@ def _lone_request(llm) -> tuple[list[int], float]:
     """One request alone in the engine: its greedy tokens and its recurrent steps per lane step."""
     from vllm import SamplingParams
 
-    before = _totals(llm)
+    before = runner_totals(llm)
     out = llm.generate([{"prompt_token_ids": LONE_PROMPT}], SamplingParams(max_tokens=LONE_TOKENS, temperature=0.0,
                                                                            ignore_eos=True), use_tqdm=False)
-    after = _totals(llm)
+    after = runner_totals(llm)
     steps = (after["recurrent_steps"] - before["recurrent_steps"]) / (after["lane_steps"] - before["lane_steps"])
     return list(out[0].outputs[0].token_ids), steps
 
@@ -240,7 +237,7 @@ def test_auto_lanes_stay_exact_and_pick_the_faster_mode(slow, greedy_reference, 
     try:
         free_before = free_kv_blocks(llm)
         got = run_jobs(llm, greedy_jobs())
-        totals = _totals(llm)
+        totals = runner_totals(llm)
         assert free_kv_blocks(llm) == free_before
         census = llm.collective_rpc(lane_census)[0]
     finally:
@@ -306,9 +303,9 @@ def test_sampling_distribution_matches_vanilla(sampling_setup, name):
 
     llm, exact, ordinary = sampling_setup["llm"], sampling_setup["exact"][name], sampling_setup["ordinary"][name]
     params, n = SAMPLING_CASES[name]
-    before = _totals(llm)
+    before = runner_totals(llm)
     counts = _samples(llm, params, n)
-    after = _totals(llm)
+    after = runner_totals(llm)
     assert chi2_gof(ordinary, exact, n) > ALPHA  # vLLM's own sampling, the baseline
     assert chi2_gof(counts, exact, n) > ALPHA
     assert chi2_two_sample(counts, ordinary) > ALPHA
@@ -362,7 +359,7 @@ def test_loopspec_reads_the_cpu_kv_layout_of_bf16_engines(ckpt_factory):
         free_before = free_kv_blocks(llm)
         got = run_jobs(llm, jobs)
         isas = llm.collective_rpc(_cpu_attention_isas)[0]
-        totals = _totals(llm)
+        totals = runner_totals(llm)
         census = llm.collective_rpc(lane_census)[0]
         assert free_kv_blocks(llm) == free_before
     finally:
@@ -425,7 +422,7 @@ def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
             with pytest.raises(ValueError, match="min_p and logit_bias"):
                 llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, **bad), use_tqdm=False)
         again = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
-        totals = _totals(llm)
+        totals = runner_totals(llm)
     finally:
         stop_llm(llm)
     assert got == want

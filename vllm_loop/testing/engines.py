@@ -295,6 +295,12 @@ def lane_census(worker) -> dict:
     return worker.model_runner.drafter.lane_census()
 
 
+def runner_totals(llm) -> dict:
+    """The LoopSpec runner's running ``EngineCounters`` of the first worker, as a dict (the engine must
+    be started inside ``worker_functions()``)."""
+    return dict(llm.collective_rpc(lambda w: vars(w.model_runner.drafter.totals))[0])
+
+
 # -- failure: a process of the engine dies while a request streams ----------------------------------------
 def kill_while_streaming(server: Server, pid: int, *, exit_timeout: float = 180) -> dict:
     """Stream a long completion from ``server``, SIGKILL ``pid`` (a worker of its engine) once the first
