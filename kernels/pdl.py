@@ -14,8 +14,9 @@ may start (and load their weights) while this one runs; they too wait for its en
 its output. Kernels launched without PDL (cuBLAS, PyTorch's) start after the one before has ended,
 as always, so a chain may mix both.
 
-Off unless ``VLLM_LOOP_PDL=1`` (it is not yet timed on the H200; see ``benchmarks/lane_gemm_compare.py
---chain``), on CUDA devices of compute capability 9 or above.
+Off unless ``VLLM_LOOP_PDL=1``, on CUDA devices of compute capability 9 or above: with cuBLAS's GEMMs in
+the chain it made an Ouro-1.4B recurrent step 4.5 % slower on an H100 (benchmarks/RESULTS.md,
+twenty-ninth run); ``benchmarks/lane_gemm_compare.py --chain`` times the chain alone.
 """
 
 from __future__ import annotations
