@@ -19,15 +19,23 @@
 #   gpu-tests every other GPU test (parity, async, mixed rows, sampling distribution, kernels)
 # About 2 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches.
 set -u
-out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [kernels speed knobs random huginn identity gpu-tests]}
+all="kernels speed knobs random huginn identity gpu-tests"
+out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [$all]}
 shift
-steps=${*:-kernels speed knobs random huginn identity gpu-tests}
+steps=${*:-$all}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps run from the repository root
 cd "$(dirname "$0")/.."
+# one checkpoint per shape and agreement, shared by the steps (the same weights in every Ouro-1.4B run;
+# outside OUTDIR, which a caller copies back)
+checkpoints=$(mktemp -d)
+trap 'rm -rf "$checkpoints"' EXIT
 phase() { echo "$(date +%T) $*" >> "$out/phases.txt"; }
-speed() {  # runs shape agreement name systems concurrency...: loopspec_speed.py makes the checkpoint
+speed() {  # runs shape agreement name systems concurrency...
     local runs=$1 shape=$2 agreement=$3 name=$4 systems=$5; shift 5
-    python3 benchmarks/loopspec_speed.py --runs "$runs" --shape "$shape" --agreement "$agreement" \
+    local ck="$checkpoints/$shape-$agreement"
+    [ -d "$ck" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from loopspec_speed import make_shape_checkpoint; make_shape_checkpoint('$shape', Path('$ck'), '$agreement')" || return
+    python3 benchmarks/loopspec_speed.py --runs "$runs" --shape "$shape" --checkpoint "$ck" --agreement "$agreement" \
         --systems "$systems" --out "$out/loopspec-speed-$name.json" --concurrency "$@"
 }
 ouro=in-tree,vanilla,loopspec-auto,loopspec-auto-chain
@@ -45,7 +53,7 @@ for step in $steps; do
                  python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
         identity) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "greedy_identity_compiled and not async" ;;
         gpu-tests) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "not (greedy_identity_compiled and not async)" ;;
-        *) echo "unknown step $step; allowed: kernels speed knobs random huginn identity gpu-tests"; false ;;
+        *) echo "unknown step $step; allowed: $all"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
 done
