@@ -78,6 +78,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -284,14 +285,23 @@ def _lane_attention_mode(worker) -> str:
 # The profiled request's prompt: its 64 decode steps then read 320-384 positions, the benchmark's
 # average context (32-token prompts, 64 to 576 tokens decoded).
 PROFILE_PROMPT = 320
+# nominal HBM bandwidth (bytes/s) by the GPU's name, for the profile's floor: the H100 SXM's 3.35 TB/s,
+# the H200's 4.8 (the floor used to say 4.8 on every GPU)
+NOMINAL_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def nominal_bandwidth(device_name: str) -> tuple[float, str]:
+    """(bytes/s, label) of the first ``NOMINAL_BANDWIDTH`` GPU named in ``device_name``; else the H200's."""
+    gpu = next((g for g in NOMINAL_BANDWIDTH if g in device_name), "H200")
+    return NOMINAL_BANDWIDTH[gpu], f"{gpu}'s nominal {NOMINAL_BANDWIDTH[gpu] / 1e12:g} TB/s"
 
 
 def profile(args) -> None:
     """``--profile-requests`` requests (default one; ``PROFILE_PROMPT``-token prompts) decode 64 tokens
     each with lanes on (engine in this process): once plainly timed, once under ``torch.profiler``: ms
     per recurrent step, GPU kernel time per step, against the floor of one pass over the shared block's
-    weights at the H200's nominal 4.8 TB/s; the runner's host ranges; the op table. Many requests show
-    whether a lane step waits for the host (its per-request decisions) or for the GPU."""
+    weights at the GPU's nominal bandwidth (``nominal_bandwidth``); the runner's host ranges; the op
+    table. Many requests show whether a lane step waits for the host (its per-request decisions) or for the GPU."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -325,7 +335,8 @@ def profile(args) -> None:
     # as device-side events spanning their kernels
     kernel_ms = sum(e.self_device_time_total for e in events
                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("loopspec.")) / 1000
-    floor_ms = llm.collective_rpc(_core_weight_bytes)[0] / 4.8e12 * 1000
+    bandwidth, bandwidth_label = nominal_bandwidth(torch.cuda.get_device_name() if gpu else "")
+    floor_ms = llm.collective_rpc(_core_weight_bytes)[0] / bandwidth * 1000
     sort = "cuda_time_total" if gpu else "cpu_time_total"
     graphs = "graphs" if kw.get("speculative_config", {}).get("lane_graphs", "auto") != "off" and gpu and \
         not kw["enforce_eager"] else "eager"
@@ -344,7 +355,7 @@ def profile(args) -> None:
             f"  profiled: {wall * 1000:.1f} ms wall, {d.lane_steps} lane steps, {d.recurrent_steps} recurrent steps, "
             f"{d.lanes_advanced / steps:.2f} lanes per step, gamma {d.summary(R)['gamma']:.2f}\n"
             f"  GPU kernel time {kernel_ms / steps:.3f} ms per recurrent step; floor (one pass over the shared "
-            f"block's weights at 4.8 TB/s) {floor_ms:.3f} ms\n")
+            f"block's weights at the {bandwidth_label}) {floor_ms:.3f} ms\n")
     # host-side ranges the runner marks (record_function "loopspec.*"), per recurrent step, under the
     # profiler (which slows the host): "read" includes waiting for the GPU to finish the step
     ranges = {e.key[len("loopspec."):]: e.cpu_time_total / 1000 / steps for e in events
@@ -465,12 +476,23 @@ def main() -> int:
         ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)} "
                  f"(each also as SYSTEM{' or SYSTEM'.join(COMPILATION)})")
 
-    if args.checkpoint is None:
-        folder = Path(tempfile.mkdtemp()) / args.shape
+    if args.checkpoint is not None:
+        return compare(args)
+    # a checkpoint of our own, removed at exit (a 3.5B-shape one is ~7 GB)
+    made = Path(tempfile.mkdtemp())
+    try:
         t0 = time.time()
-        make_shape_checkpoint(args.shape, folder, args.agreement)
-        print(f"checkpoint {folder} written in {time.time() - t0:.0f} s", flush=True)
-        args.checkpoint = str(folder)
+        make_shape_checkpoint(args.shape, made / args.shape, args.agreement)
+        print(f"checkpoint {made / args.shape} written in {time.time() - t0:.0f} s (removed at exit)", flush=True)
+        args.checkpoint = str(made / args.shape)
+        return compare(args)
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def compare(args) -> int:
+    """Each of ``--systems`` in its own worker process on ``--checkpoint``, side by side; then the
+    ``--profile`` run."""
     # the LoopSpec systems' schedule options, as every worker process gets them
     schedule_args = (["--tuned", args.tuned] if args.tuned else []) + (["--late", *map(str, args.late)] if args.late else [])
     results, failed = {}, []

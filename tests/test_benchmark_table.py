@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from loopspec_speed import side_by_side, split_system  # noqa: E402
+from loopspec_speed import nominal_bandwidth, side_by_side, split_system  # noqa: E402
 
 
 def _row(c: int, tok_s: float, t_short: float, t_long: float, tokens: list[list[int]], **extra) -> dict:
@@ -56,3 +56,10 @@ def test_system_suffixes():
         "loopspec-auto", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {}, 32)
     assert split_system("vanilla-step32") == ("vanilla-step32", None, {}, None)  # not a LoopSpec system
     assert split_system("in-tree") == ("in-tree", None, {}, None)
+
+
+def test_profile_floor_bandwidth_follows_the_gpu():
+    # the profile's floor used the H200's 4.8 TB/s on an H100 too (thirty-first run's H100 profile)
+    assert nominal_bandwidth("NVIDIA H100 80GB HBM3") == (3.35e12, "H100's nominal 3.35 TB/s")
+    assert nominal_bandwidth("NVIDIA H200") == (4.8e12, "H200's nominal 4.8 TB/s")
+    assert nominal_bandwidth("")[0] == 4.8e12  # a CPU run: the label still names the GPU assumed
