@@ -32,11 +32,9 @@ trap 'rm -rf "$checkpoints"' EXIT
 phase() { echo "$(date +%T) $*" >> "$out/phases.txt"; }
 speed() {  # runs shape agreement name systems concurrency...
     local runs=$1 shape=$2 agreement=$3 name=$4 systems=$5; shift 5
-    local ck="$checkpoints/$shape-$agreement"
-    [ -d "$ck" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
-from loopspec_speed import make_shape_checkpoint; make_shape_checkpoint('$shape', Path('$ck'), '$agreement')" || return
-    python3 benchmarks/loopspec_speed.py --runs "$runs" --shape "$shape" --checkpoint "$ck" --agreement "$agreement" \
-        --systems "$systems" --out "$out/loopspec-speed-$name.json" --concurrency "$@"
+    # made by the first step that names it, kept for the next
+    python3 benchmarks/loopspec_speed.py --runs "$runs" --shape "$shape" --checkpoint "$checkpoints/$shape-$agreement" \
+        --agreement "$agreement" --systems "$systems" --out "$out/loopspec-speed-$name.json" --concurrency "$@"
 }
 ouro=in-tree,vanilla,loopspec-auto,loopspec-auto-chain
 phase "start: $steps"

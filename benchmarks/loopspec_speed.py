@@ -141,6 +141,20 @@ def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | N
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
+def ensure_checkpoint(shape: str, folder: Path, agreement: str) -> None:
+    """``make_shape_checkpoint`` into ``folder`` unless it exists. Written beside it and renamed when
+    whole, so a run cut short leaves nothing a later run would take for a checkpoint."""
+    if folder.exists():
+        return
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    make_shape_checkpoint(shape, partial, agreement)
+    partial.rename(folder)
+    print(f"checkpoint {folder} written in {time.time() - t0:.0f} s", flush=True)
+
+
 def make_shape_checkpoint(shape: str, folder: Path, agreement: str) -> None:
     """The factory checkpoint of ``SHAPES[shape]`` in ``folder``; ``agreement`` "0": random weights."""
     from vllm_loop.testing.checkpoints import make_checkpoint
@@ -454,7 +468,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", default="", help="comma-separated systems to run with enforce_eager (vLLM's "
                     "forward and the lane calls eager: saves compile time at start-up)")
-    ap.add_argument("--checkpoint", default=None, help="use this folder instead of making one")
+    ap.add_argument("--checkpoint", default=None, help="this folder's checkpoint (made there first, and kept, "
+                    "if it does not exist; default: one made in a temp folder and removed at exit)")
     ap.add_argument("--tuned", default=None,
                     help="the tuner's JSON for loopspec-tuned (python -m vllm_loop.tune CHECKPOINT ... --json FILE)")
     ap.add_argument("--late", type=int, nargs="*", default=[],
@@ -476,18 +491,16 @@ def main() -> int:
         ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)} "
                  f"(each also as SYSTEM{' or SYSTEM'.join(COMPILATION)})")
 
-    if args.checkpoint is not None:
-        return compare(args)
-    # a checkpoint of our own, removed at exit (a 3.5B-shape one is ~7 GB)
-    made = Path(tempfile.mkdtemp())
-    try:
-        t0 = time.time()
-        make_shape_checkpoint(args.shape, made / args.shape, args.agreement)
-        print(f"checkpoint {made / args.shape} written in {time.time() - t0:.0f} s (removed at exit)", flush=True)
+    # no --checkpoint: one of our own, removed at exit (a 3.5B-shape one is ~7 GB)
+    made = None if args.checkpoint else Path(tempfile.mkdtemp())
+    if made:
         args.checkpoint = str(made / args.shape)
+    try:
+        ensure_checkpoint(args.shape, Path(args.checkpoint), args.agreement)
         return compare(args)
     finally:
-        shutil.rmtree(made, ignore_errors=True)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def compare(args) -> int:

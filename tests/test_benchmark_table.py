@@ -63,3 +63,22 @@ def test_profile_floor_bandwidth_follows_the_gpu():
     assert nominal_bandwidth("NVIDIA H100 80GB HBM3") == (3.35e12, "H100's nominal 3.35 TB/s")
     assert nominal_bandwidth("NVIDIA H200") == (4.8e12, "H200's nominal 4.8 TB/s")
     assert nominal_bandwidth("")[0] == 4.8e12  # a CPU run: the label still names the GPU assumed
+
+
+def test_ensure_checkpoint_makes_a_missing_one_once(tmp_path, monkeypatch):
+    import loopspec_speed
+
+    made = []
+
+    def fake_make(shape, folder, agreement):  # stands in for the factory (seconds to minutes per shape)
+        made.append((shape, folder.name, agreement))
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+
+    monkeypatch.setattr(loopspec_speed, "make_shape_checkpoint", fake_make)
+    folder = tmp_path / "ck" / "tiny-ouro"
+    (tmp_path / "ck" / "tiny-ouro.partial").mkdir(parents=True)  # a run cut short left this
+    loopspec_speed.ensure_checkpoint("tiny-ouro", folder, "0.001")
+    loopspec_speed.ensure_checkpoint("tiny-ouro", folder, "0.001")  # exists now: not made again
+    assert made == [("tiny-ouro", "tiny-ouro.partial", "0.001")]
+    assert (folder / "config.json").exists() and not folder.with_name("tiny-ouro.partial").exists()
