@@ -6,23 +6,35 @@
 # when each ended and with what exit status, so a run cut short still shows how far it got):
 #   speed     Ouro-1.4B shape, agreement 0.001: vLLM's in-tree Ouro, our vanilla and LoopSpec (lanes
 #             auto; and with drafts = the lane chain alone, "step_tokens": 0) side by side, medians of
-#             3 runs at concurrency 1, 4, 16 (with a profile of lane steps at 1), of 2 at 64 and 128
+#             3 runs at concurrency 1, 4, 16 (with a profile of lane steps at 1), of 2 at 64 and 128;
+#             = speed-low (1, 4, 16) then speed-high (64, 128)
 #   knobs     the same checkpoint at 1 and 4, medians of 3: the defaults against "step_tokens": 32 and
 #             the all-Triton lane chain with PDL (VLLM_LOOP_LANE_GEMM=triton VLLM_LOOP_PDL=1), each
 #             alone and both, next to in-tree
 #   random    the same shape with random weights (low acceptance): concurrency 1, 64, 128
 #   huginn    Huginn-0125 shape (R=32): 2:8 and the tuner's schedule for the same checkpoint
 #             (benchmarks/results/huginn-0125-tune.json, made on a CPU by the command in RESULTS.md),
-#             concurrency 1 and 4; a profile of the tuned schedule's lane steps at 1
+#             concurrency 1 and 4; a profile of the tuned schedule's lane steps at 1;
+#             = huginn-1 (concurrency 1 and the profile) then huginn-4
 #   kernels   the lane attention kernel against PyTorch (compiled), then one-pass vs two-pass merge timed
 #   identity  fp32 greedy identity: lane graphs on and off, PyTorch and Triton lane attention
 #   gpu-tests every other GPU test (parity, async, mixed rows, sampling distribution, kernels)
-# About 2 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches.
+# About 2 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The halves of speed
+# and huginn are steps of their own for hosts that limit one command to ~10 minutes.
 set -u
 all="kernels speed knobs random huginn identity gpu-tests"
 out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [$all]}
 shift
 steps=${*:-$all}
+halves=""  # speed and huginn run as their two halves
+for step in $steps; do
+    case $step in
+        speed) halves+=" speed-low speed-high" ;;
+        huginn) halves+=" huginn-1 huginn-4" ;;
+        *) halves+=" $step" ;;
+    esac
+done
+steps=${halves# }
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps run from the repository root
 cd "$(dirname "$0")/.."
 # one checkpoint per shape and agreement, shared by the steps (the same weights in every Ouro-1.4B run;
@@ -40,18 +52,20 @@ ouro=in-tree,vanilla,loopspec-auto,loopspec-auto-chain
 phase "start: $steps"
 for step in $steps; do
     case $step in
-        speed) speed 3 ouro-1.4b 0.001 ouro-1.4b-low $ouro 1 4 16 --profile &&
-               speed 2 ouro-1.4b 0.001 ouro-1.4b-high $ouro 64 128 ;;
+        speed-low) speed 3 ouro-1.4b 0.001 ouro-1.4b-low $ouro 1 4 16 --profile ;;
+        speed-high) speed 2 ouro-1.4b 0.001 ouro-1.4b-high $ouro 64 128 ;;
         knobs) speed 3 ouro-1.4b 0.001 ouro-1.4b-knobs \
                    in-tree,loopspec-auto,loopspec-auto-step32,loopspec-auto-tgemm-pdl,loopspec-auto-tgemm-pdl-step32 1 4 ;;
         random) speed 1 ouro-1.4b 0 ouro-1.4b-random in-tree,vanilla,loopspec-auto 1 64 128 ;;
-        huginn) speed 2 huginn-0125 0.001 huginn-0125 vanilla,loopspec,loopspec-tuned 1 4 --profile \
-                    --profile-system loopspec-tuned --tuned benchmarks/results/huginn-0125-tune.json ;;
+        huginn-1) speed 2 huginn-0125 0.001 huginn-0125-c1 vanilla,loopspec,loopspec-tuned 1 --profile \
+                      --profile-system loopspec-tuned --tuned benchmarks/results/huginn-0125-tune.json ;;
+        huginn-4) speed 2 huginn-0125 0.001 huginn-0125-c4 vanilla,loopspec,loopspec-tuned 4 \
+                      --tuned benchmarks/results/huginn-0125-tune.json ;;
         kernels) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "triton_lane_attention_on_gpu" &&
                  python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
         identity) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "greedy_identity_compiled and not async" ;;
         gpu-tests) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "not (greedy_identity_compiled and not async)" ;;
-        *) echo "unknown step $step; allowed: $all"; false ;;
+        *) echo "unknown step $step; allowed: $all speed-low speed-high huginn-1 huginn-4"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
 done
