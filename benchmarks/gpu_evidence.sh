@@ -18,23 +18,39 @@
 #             = huginn-1 (concurrency 1 and the profile) then huginn-4
 #   kernels   the lane attention kernel against PyTorch (compiled), then one-pass vs two-pass merge timed
 #   identity  fp32 greedy identity: lane graphs on and off, PyTorch and Triton lane attention
-#   gpu-tests every other GPU test (parity, async, mixed rows, sampling distribution, kernels)
-# About 2 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The halves of speed
-# and huginn are steps of their own for hosts that limit one command to ~10 minutes.
+#             = identity-ouro then identity-raven (Raven / Huginn layouts)
+#   gpu-tests every other GPU test = kernel-tests (the Triton kernels against PyTorch), parity-tests
+#             (smoke, Ouro parity, early exit, latent models), raven-parity-tests, nocompile-tests,
+#             async-tests, other-tests (mixed rows, sampling distribution, plain decode graphs, and any
+#             test no other part names, so none is left out)
+# About 2 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
+# huginn, identity and gpu-tests are steps of their own, each sized from per-test times on an H100 to
+# fit ~10 minutes (the limit of one command on some hosts).
 set -u
 all="kernels speed knobs random huginn identity gpu-tests"
 out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [$all]}
 shift
 steps=${*:-$all}
-halves=""  # speed and huginn run as their two halves
+# pytest -k expressions of the GPU-test parts; other-tests is what none of the others names
+identity_k="greedy_identity_compiled and not async"
+kernel_k="lane_attention_on_gpu or norm_add_norm_on_gpu or skinny_gemm_on_gpu or pdl_on_gpu or swiglu_down_on_gpu"
+parity_k="plugin_smoke or ouro_parity or early_exit or latent_cuda_graphs"
+raven_parity_k="raven_parity"
+nocompile_k="greedy_identity_nocompile"
+async_k="async_greedy_identity"
+other_k="not (($identity_k) or ($kernel_k) or ($parity_k) or ($raven_parity_k) or ($nocompile_k) or ($async_k))"
+gpu_tests="kernel-tests parity-tests raven-parity-tests nocompile-tests async-tests other-tests"
+parts=""  # speed, huginn, identity and gpu-tests run as their parts
 for step in $steps; do
     case $step in
-        speed) halves+=" speed-low speed-high" ;;
-        huginn) halves+=" huginn-1 huginn-4" ;;
-        *) halves+=" $step" ;;
+        speed) parts+=" speed-low speed-high" ;;
+        huginn) parts+=" huginn-1 huginn-4" ;;
+        identity) parts+=" identity-ouro identity-raven" ;;
+        gpu-tests) parts+=" $gpu_tests" ;;
+        *) parts+=" $step" ;;
     esac
 done
-steps=${halves# }
+steps=${parts# }
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps run from the repository root
 cd "$(dirname "$0")/.."
 # one checkpoint per shape and agreement, shared by the steps (the same weights in every Ouro-1.4B run;
@@ -48,6 +64,7 @@ speed() {  # runs shape agreement name systems concurrency...
     python3 benchmarks/loopspec_speed.py --runs "$runs" --shape "$shape" --checkpoint "$checkpoints/$shape-$agreement" \
         --agreement "$agreement" --systems "$systems" --out "$out/loopspec-speed-$name.json" --concurrency "$@"
 }
+gpu_tests() { python3 -m pytest -v -s -p no:cacheprovider tests/test_gpu.py -k "$1"; }  # -v: a cut run names what passed
 ouro=in-tree,vanilla,loopspec-auto,loopspec-auto-chain
 phase "start: $steps"
 for step in $steps; do
@@ -63,9 +80,16 @@ for step in $steps; do
                       --tuned benchmarks/results/huginn-0125-tune.json ;;
         kernels) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "triton_lane_attention_on_gpu" &&
                  python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
-        identity) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "greedy_identity_compiled and not async" ;;
-        gpu-tests) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "not (greedy_identity_compiled and not async)" ;;
-        *) echo "unknown step $step; allowed: $all speed-low speed-high huginn-1 huginn-4"; false ;;
+        identity-ouro) gpu_tests "$identity_k and ouro" ;;
+        identity-raven) gpu_tests "$identity_k and not ouro" ;;
+        kernel-tests) gpu_tests "$kernel_k" ;;
+        parity-tests) gpu_tests "$parity_k" ;;
+        raven-parity-tests) gpu_tests "$raven_parity_k" ;;
+        nocompile-tests) gpu_tests "$nocompile_k" ;;
+        async-tests) gpu_tests "$async_k" ;;
+        other-tests) gpu_tests "$other_k" ;;
+        *) echo "unknown step $step; allowed: $all speed-low speed-high huginn-1 huginn-4" \
+                "identity-ouro identity-raven $gpu_tests"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
 done
