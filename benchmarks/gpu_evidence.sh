@@ -40,14 +40,14 @@ raven_parity_k="raven_parity"
 nocompile_k="greedy_identity_nocompile"
 async_k="async_greedy_identity"
 other_k="not (($identity_k) or ($kernel_k) or ($parity_k) or ($raven_parity_k) or ($nocompile_k) or ($async_k))"
-gpu_tests="kernel-tests parity-tests raven-parity-tests nocompile-tests async-tests other-tests"
+test_parts="kernel-tests parity-tests raven-parity-tests nocompile-tests async-tests other-tests"
 parts=""  # speed, huginn, identity and gpu-tests run as their parts
 for step in $steps; do
     case $step in
         speed) parts+=" speed-low speed-high" ;;
         huginn) parts+=" huginn-1 huginn-4" ;;
         identity) parts+=" identity-ouro identity-raven" ;;
-        gpu-tests) parts+=" $gpu_tests" ;;
+        gpu-tests) parts+=" $test_parts" ;;
         *) parts+=" $step" ;;
     esac
 done
@@ -90,7 +90,7 @@ for step in $steps; do
         async-tests) gpu_tests "$async_k" ;;
         other-tests) gpu_tests "$other_k" ;;
         *) echo "unknown step $step; allowed: $all speed-low speed-high huginn-1 huginn-4" \
-                "identity-ouro identity-raven $gpu_tests"; false ;;
+                "identity-ouro identity-raven $test_parts"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
 done
