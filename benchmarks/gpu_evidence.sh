@@ -17,14 +17,15 @@
 #             concurrency 1 and 4 (and at 1 the tuned schedule with "step_tokens": 64, which gave
 #             1.028x the default on an H100, thirty-first run); a profile of the tuned schedule's lane steps at 1;
 #             = huginn-1 (concurrency 1 and the profile) then huginn-4
-#   kernels   the lane attention kernel against PyTorch (compiled), then one-pass vs two-pass merge timed
+#   kernels   the Triton kernels against PyTorch, then the lane attention's one-pass vs two-pass merge
+#             timed = kernel-tests then merge-sweep (a part named twice in a run runs once)
 #   identity  fp32 greedy identity: lane graphs on and off, PyTorch and Triton lane attention
 #             = identity-ouro then identity-raven (Raven / Huginn layouts)
 #   gpu-tests every other GPU test = kernel-tests (the Triton kernels against PyTorch), parity-tests
 #             (smoke, Ouro parity, early exit, latent models), raven-parity-tests, nocompile-tests,
 #             async-tests, other-tests (mixed rows, sampling distribution, plain decode graphs, and any
 #             test no other part names, so none is left out)
-# About 2 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
+# About 5 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
 # huginn, identity and gpu-tests are steps of their own, each sized from per-test times on an H100 to
 # fit ~10 minutes (the limit of one command on some hosts).
 set -u
@@ -48,10 +49,15 @@ for step in $steps; do
         huginn) parts+=" huginn-1 huginn-4" ;;
         identity) parts+=" identity-ouro identity-raven" ;;
         gpu-tests) parts+=" $test_parts" ;;
+        kernels) parts+=" kernel-tests merge-sweep" ;;
         *) parts+=" $step" ;;
     esac
 done
-steps=${parts# }
+steps=""  # each part once, in first-named order: kernels and gpu-tests share kernel-tests
+for part in $parts; do
+    [[ " $steps " == *" $part "* ]] || steps+=" $part"
+done
+steps=${steps# }
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the steps run from the repository root
 cd "$(dirname "$0")/.."
 # one checkpoint per shape and agreement, shared by the steps (the same weights in every Ouro-1.4B run;
@@ -79,8 +85,7 @@ for step in $steps; do
                       --profile-system loopspec-tuned --tuned benchmarks/results/huginn-0125-tune.json ;;
         huginn-4) speed 2 huginn-0125 0.001 huginn-0125-c4 vanilla,loopspec,loopspec-tuned 4 \
                       --tuned benchmarks/results/huginn-0125-tune.json ;;
-        kernels) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "triton_lane_attention_on_gpu" &&
-                 python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
+        merge-sweep) python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
         identity-ouro) gpu_tests "$identity_k and ouro" ;;
         identity-raven) gpu_tests "$identity_k and not ouro" ;;
         kernel-tests) gpu_tests "$kernel_k" ;;
@@ -90,7 +95,7 @@ for step in $steps; do
         async-tests) gpu_tests "$async_k" ;;
         other-tests) gpu_tests "$other_k" ;;
         *) echo "unknown step $step; allowed: $all speed-low speed-high huginn-1 huginn-4" \
-                "identity-ouro identity-raven $test_parts"; false ;;
+                "identity-ouro identity-raven merge-sweep $test_parts"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
 done

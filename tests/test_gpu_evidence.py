@@ -55,3 +55,13 @@ def test_unknown_step_names_the_allowed_ones(tmp_path):
     assert calls == [] and phases[-2].endswith("idenity rc=1")
     message = (tmp_path / "out" / "idenity.txt").read_text()
     assert message.startswith("unknown step idenity; allowed:") and "identity-ouro" in message
+
+
+def test_a_part_named_twice_runs_once(tmp_path):
+    # kernels = kernel-tests + merge-sweep, and gpu-tests starts with kernel-tests too
+    proc, calls, phases = _run(tmp_path, "kernels", "gpu-tests")
+    assert proc.returncode == 0, proc.stderr
+    steps = phases[0].split("start: ")[1].split()
+    assert steps[:3] == ["kernel-tests", "merge-sweep", "parity-tests"] and steps.count("kernel-tests") == 1
+    assert [c[:2] for c in calls].count(["-m", "pytest"]) == len(steps) - 1
+    assert ["benchmarks/lane_attention_sweep.py", "--merge"] in [c[:2] for c in calls]
