@@ -42,15 +42,20 @@ raven_parity_k="raven_parity"
 nocompile_k="greedy_identity_nocompile"
 async_k="async_greedy_identity"
 other_k="not (($identity_k) or ($kernel_k) or ($parity_k) or ($raven_parity_k) or ($nocompile_k) or ($async_k))"
+# the parts of the composite steps (also what the unknown-step message lists)
+speed_parts="speed-low speed-high"
+huginn_parts="huginn-1 huginn-4"
+identity_parts="identity-ouro identity-raven"
 test_parts="kernel-tests parity-tests raven-parity-tests nocompile-tests async-tests other-tests"
-parts=""  # speed, huginn, identity and gpu-tests run as their parts
+kernels_parts="kernel-tests merge-sweep"
+parts=""  # speed, huginn, identity, gpu-tests and kernels run as their parts
 for step in $steps; do
     case $step in
-        speed) parts+=" speed-low speed-high" ;;
-        huginn) parts+=" huginn-1 huginn-4" ;;
-        identity) parts+=" identity-ouro identity-raven" ;;
+        speed) parts+=" $speed_parts" ;;
+        huginn) parts+=" $huginn_parts" ;;
+        identity) parts+=" $identity_parts" ;;
         gpu-tests) parts+=" $test_parts" ;;
-        kernels) parts+=" kernel-tests merge-sweep" ;;
+        kernels) parts+=" $kernels_parts" ;;
         *) parts+=" $step" ;;
     esac
 done
@@ -95,8 +100,8 @@ for step in $steps; do
         nocompile-tests) gpu_tests "$nocompile_k" ;;
         async-tests) gpu_tests "$async_k" ;;
         other-tests) gpu_tests "$other_k" ;;
-        *) echo "unknown step $step; allowed: $all speed-low speed-high huginn-1 huginn-4" \
-                "identity-ouro identity-raven merge-sweep $test_parts"; false ;;
+        *) echo "unknown step $step; allowed: $all $speed_parts $huginn_parts $identity_parts merge-sweep" \
+                "$test_parts"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
 done
