@@ -233,10 +233,10 @@ def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, ker
     the environment); and with 32 drafts a step (``step32``: longer lane steps)."""
     for key, value in LANE_KERNELS[kernels].items():
         monkeypatch.setenv(key, value)
-    _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False)
+    _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False, kernels=kernels)
 
 
-def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool):
+def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool, kernels: str = "default"):
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs
@@ -266,7 +266,9 @@ def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: b
     assert (totals.late > 0) if spec.get("late") else (totals.late_verified == 0), totals
     overlapped = totals.overlap_wasted + totals.overlap_lagged
     assert (overlapped > 0) if overlap == "auto" else (overlapped == 0), totals
-    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}, lane graphs {graphs} ({captured} captured), lane attention {attention}, overlap "
+    lane_graphs = f"{captured} captured" if captured >= 0 else "none"  # -1: the runner holds no lane graphs
+    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}, lane kernels {kernels}, lane graphs {graphs} "
+          f"({lane_graphs}), lane attention {attention}, overlap "
           f"{overlap} ({totals.overlap_wasted} rows wasted, {totals.overlap_lagged} lanes lagged): 16 staggered "
           f"requests identical to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
 
