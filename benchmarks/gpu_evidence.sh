@@ -28,7 +28,8 @@
 # About 5 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
 # huginn, identity and gpu-tests are steps of their own, each sized from per-test times on an H100 to
 # fit ~10 minutes (the limit of one command on some hosts). As steps on an H100 (thirty-fourth run):
-# parity-tests 5.4, raven-parity-tests 3.2, nocompile-tests 2.7, other-tests 3.4 minutes.
+# parity-tests 5.4, raven-parity-tests 3.2, nocompile-tests 2.7 (4.1 as a fresh host's first, thirty-fifth),
+# other-tests 3.4 minutes.
 set -u
 all="kernels speed knobs random huginn identity gpu-tests"
 out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [$all]}
