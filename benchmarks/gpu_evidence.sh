@@ -14,8 +14,10 @@
 #   random    the same shape with random weights (low acceptance): concurrency 1, 64, 128
 #   huginn    Huginn-0125 shape (R=32): 2:8 and the tuner's schedule for the same checkpoint
 #             (benchmarks/results/huginn-0125-tune.json, made on a CPU by the command in RESULTS.md),
-#             concurrency 1 and 4 (and at 1 the tuned schedule with "step_tokens": 64, which gave
-#             1.028x the default on an H100, thirty-first run); a profile of the tuned schedule's lane steps at 1;
+#             concurrency 1 and 4; a profile of the tuned schedule's lane steps at 1 (the tuned schedule
+#             with "step_tokens": 64 is no longer run: 1.028x the default on one H100 host in the
+#             thirty-first run, 1.002x on another in the thirty-sixth, where the engine between two
+#             lane steps measured 0.63 ms, 0.6 % of the decode);
 #             = huginn-1 (concurrency 1 and the profile) then huginn-4
 #   kernels   the Triton kernels against PyTorch, then the lane attention's one-pass vs two-pass merge
 #             timed = kernel-tests then merge-sweep (a part named twice in a run runs once)
@@ -88,7 +90,7 @@ for step in $steps; do
         knobs) speed 3 ouro-1.4b 0.001 ouro-1.4b-knobs \
                    in-tree,loopspec-auto,loopspec-auto-step32,loopspec-auto-tgemm-pdl,loopspec-auto-tgemm-pdl-step32 1 4 ;;
         random) speed 1 ouro-1.4b 0 ouro-1.4b-random in-tree,vanilla,loopspec-auto 1 64 128 ;;
-        huginn-1) speed 2 huginn-0125 0.001 huginn-0125-c1 vanilla,loopspec,loopspec-tuned,loopspec-tuned-step64 1 --profile \
+        huginn-1) speed 2 huginn-0125 0.001 huginn-0125-c1 vanilla,loopspec,loopspec-tuned 1 --profile \
                       --profile-system loopspec-tuned --tuned benchmarks/results/huginn-0125-tune.json ;;
         huginn-4) speed 2 huginn-0125 0.001 huginn-0125-c4 vanilla,loopspec,loopspec-tuned 4 \
                       --tuned benchmarks/results/huginn-0125-tune.json ;;

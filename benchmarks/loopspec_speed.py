@@ -378,6 +378,9 @@ def profile(args) -> None:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ranges.items(), key=lambda kv: -kv[1]))
         head += (f"  host ms per recurrent step in the runner's ranges: {parts}; engine outside lane steps "
                  f"{wall * 1000 / steps - ranges.get('lane_step', 0):.3f}\n")
+    head += (f"  unprofiled: {d_plain.lane_step_gaps} gaps between consecutive lane steps, "
+             f"{1000 * d_plain.lane_step_gap_seconds / max(d_plain.lane_step_gaps, 1):.3f} ms each (the engine's "
+             f"scheduler, output and loop; no lane work on the GPU)\n")
     table = f"  ops sorted by {sort}:\n" + events.table(sort_by=sort, row_limit=40)
     Path(args.out).with_suffix(".profile.txt").write_text(head + table + "\n")
     print(head, flush=True)
@@ -420,7 +423,9 @@ def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
                         "drains": n["drains"] / runs, "recurrent_steps": n["recurrent_steps"] / runs,
                         "overlap_wasted": n["overlap_wasted"] / runs,
                         "overlap_lagged": n["overlap_lagged"] / runs,
-                        "lane_step_s": round(n["lane_step_seconds"] / runs, 3)}
+                        "lane_step_s": round(n["lane_step_seconds"] / runs, 3),
+                        # the engine between two consecutive lane steps (the GPU has no lane work then)
+                        "gap_ms": round(1000 * n.get("lane_step_gap_seconds", 0.0) / max(n.get("lane_step_gaps", 0), 1), 3)}
             table.append(row)
     return table
 

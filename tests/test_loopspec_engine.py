@@ -141,7 +141,7 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         got = run_jobs(llm, greedy_jobs())
         totals = runner_totals(llm)
         if spec.get("step_tokens", 16) > 16:
-            got["lone"], lone_steps = _lone_request(llm)
+            got["lone"], lone_steps, lone_gaps = _lone_request(llm)
         hits = _metric(llm, "vllm:prefix_cache_hits")
         assert free_kv_blocks(llm) == free_before
         census = llm.collective_rpc(lane_census)[0]
@@ -165,6 +165,9 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
     if "lone" in got:  # alone, nothing waits: lane steps of more than 16 recurrent steps
         assert got["lone"] == ref.greedy_generate(LONE_PROMPT, LONE_TOKENS)
         assert lone_steps > 16, lone_steps
+        # after its prefill (vLLM's step) every engine step was a lane step: one gap between each two
+        lane_steps, gaps, gap_seconds = lone_gaps
+        assert lane_steps > 1 and gaps == lane_steps - 1 and gap_seconds > 0, lone_gaps
     # the lanes did the decoding, and requests joined while others were decoding
     assert totals["lane_steps"] > 0 and totals["first"] + totals["second"] + totals["late"] + totals["full"] > 100
     assert totals["standard_steps"] > 0, "no prefill joined running lane requests"
@@ -186,16 +189,18 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
 LONE_PROMPT, LONE_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18], 100
 
 
-def _lone_request(llm) -> tuple[list[int], float]:
-    """One request alone in the engine: its greedy tokens and its recurrent steps per lane step."""
+def _lone_request(llm) -> tuple[list[int], float, tuple[int, int, float]]:
+    """One request alone in the engine: its greedy tokens, its recurrent steps per lane step, and its
+    (lane steps, gaps between consecutive lane steps, seconds in those gaps)."""
     from vllm import SamplingParams
 
     before = runner_totals(llm)
     out = llm.generate([{"prompt_token_ids": LONE_PROMPT}], SamplingParams(max_tokens=LONE_TOKENS, temperature=0.0,
                                                                            ignore_eos=True), use_tqdm=False)
     after = runner_totals(llm)
-    steps = (after["recurrent_steps"] - before["recurrent_steps"]) / (after["lane_steps"] - before["lane_steps"])
-    return list(out[0].outputs[0].token_ids), steps
+    d = {k: after[k] - before[k] for k in ("recurrent_steps", "lane_steps", "lane_step_gaps", "lane_step_gap_seconds")}
+    gaps = (d["lane_steps"], d["lane_step_gaps"], d["lane_step_gap_seconds"])
+    return list(out[0].outputs[0].token_ids), d["recurrent_steps"] / d["lane_steps"], gaps
 
 
 # -- lanes "auto": the policy switches whole engine steps between lanes and plain decoding -------------------------

@@ -81,7 +81,8 @@ def test_requests_lanes_cannot_serve_and_sampling_are_served(server):
 def test_metrics_show_loopspec_counters(server):
     import requests
 
-    server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [9, 8, 7], "max_tokens": 32, "temperature": 0,
+    # 64 tokens: several lane steps of ~16 tokens, back to back (the gap counters)
+    server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [9, 8, 7], "max_tokens": 64, "temperature": 0,
                                     "ignore_eos": True})
     text = requests.get(f"{server.base}/metrics", timeout=10).text
     values = {}
@@ -98,6 +99,7 @@ def test_metrics_show_loopspec_counters(server):
     assert get("vllm_loop:loopspec_recurrent_steps_total") > 0 and get("vllm_loop:loopspec_lanes_advanced_total") > 0
     assert get("vllm_loop:loopspec_gate_evaluations_total") > 0 and get("vllm_loop:loopspec_lane_steps_total") > 0
     assert get("vllm_loop:loopspec_lane_step_seconds_total") > 0
+    assert get("vllm_loop:loopspec_lane_step_gaps_total") > 0 and get("vllm_loop:loopspec_lane_step_gap_seconds_total") > 0
     assert 1.0 <= get("vllm_loop:loopspec_gamma{") <= 4.0 and get("vllm_loop:loopspec_lanes_per_step{") > 1
     # vLLM's own spec-decode counters carry LoopSpec's verifications
     assert get("vllm:spec_decode_num_drafts_total") > 0 and get("vllm:spec_decode_num_accepted_tokens_total") > 0

@@ -61,9 +61,10 @@ def _tp_facts(worker) -> dict:
 
 
 def _lane_totals(worker) -> dict:
-    """The rank's LoopSpec counters less its own wall time (the one counter ranks need not share)."""
+    """The rank's LoopSpec counters less its own wall times (the counters ranks need not share)."""
     totals = dict(vars(worker.model_runner.drafter.totals))
-    totals.pop("lane_step_seconds")
+    for wall_time in ("lane_step_seconds", "lane_step_gap_seconds"):
+        totals.pop(wall_time)
     return totals
 
 

@@ -225,6 +225,11 @@ class EngineCounters:
     overlap_lagged: int = 0
     graph_captures: int = 0  # lane CUDA graphs captured during steps (their first call of a shape bucket)
     lane_step_seconds: float = 0.0  # the runner's wall time in lane steps (their GPU work included)
+    # the wall time from the end of a lane step to the start of the next, when the two are consecutive
+    # engine steps: vLLM's scheduler, the step's output and the engine core's loop, during which the
+    # GPU has no lane work (the ~0.56 ms a step that LOCKSTEP's comment in runner.py estimates)
+    lane_step_gaps: int = 0
+    lane_step_gap_seconds: float = 0.0
 
     def add(self, other: EngineCounters) -> None:
         for name in self.__dataclass_fields__:

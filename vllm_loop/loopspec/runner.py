@@ -54,7 +54,8 @@ logger = get_logger(__name__)
 # Recurrent steps an engine step may take past its first commits while requests wait to join (Ouro-1.4B,
 # H200: ~27 ms at one request). With none waiting it may go on to ``step_tokens`` recurrent steps: the
 # engine step around a lane step (vLLM's scheduler, the step's output) took ~0.56 ms on the H200 at one
-# request beyond the lane step itself, ~2 % of Ouro-1.4B's decode (benchmarks/RESULTS.md, twenty-fifth run).
+# request beyond the lane step itself, ~2 % of Ouro-1.4B's decode (benchmarks/RESULTS.md, twenty-fifth run;
+# measured since as ``lane_step_gap_seconds``: 0.63 ms on an H100, 0.6 % of Huginn-0125's, thirty-sixth).
 LOCKSTEP = 16
 
 
@@ -243,6 +244,7 @@ class LoopSpecRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.totals = EngineCounters()
         self._step = EngineCounters()
+        self._lane_step_end: float | None = None  # perf_counter() at the end of the last engine step, if a lane step
 
     # -- vLLM's proposer interface ----------------------------------------------------------------------
     def load_model(self, model) -> None:
@@ -258,10 +260,14 @@ class LoopSpecRunner:
     # -- engine-step entry points (vllm_patches) --------------------------------------------------------------
     def execute_model(self, runner, scheduler_output):
         """Serve the step with lanes and return its ``ModelRunnerOutput``, or None for vLLM's path."""
+        gap_from, self._lane_step_end = self._lane_step_end, None
         self._forget(scheduler_output)
         if not _lanes_on(scheduler_output) or not self._is_lane_step(scheduler_output):
             return None
         start = time.perf_counter()
+        if gap_from is not None:  # the engine step before was a lane step too
+            self._step.lane_step_gaps += 1
+            self._step.lane_step_gap_seconds += start - gap_from
         self._waiting = _requests_waiting(scheduler_output)
         runner._update_states(scheduler_output)
         self._ensure_storage(runner)
@@ -286,7 +292,8 @@ class LoopSpecRunner:
             if not row.live.pipe.lanes:
                 self.live.pop(row.live.req_id, None)
         # the tokens were read on the host, so the step's GPU work is (nearly all) done by now
-        self._step.lane_step_seconds += time.perf_counter() - start
+        self._lane_step_end = time.perf_counter()
+        self._step.lane_step_seconds += self._lane_step_end - start
         return out
 
     def _more_steps(self, rows: list[_Row], steps: int, pending: dict[int, int] | None = None) -> bool:

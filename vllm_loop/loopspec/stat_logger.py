@@ -13,7 +13,8 @@ Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{
 ``..._plain_steps_total`` (decode steps the lanes policy ran without lanes), under async scheduling
 ``..._pipelined_steps_total`` (steps scheduled while another ran) and ``..._barrier_drains_total``
 (lanes-mode steps that waited for the steps in flight), ``..._lane_step_seconds_total`` (the model
-runner's wall time in lane steps), and the
+runner's wall time in lane steps), ``..._lane_step_gaps_total`` and ``..._lane_step_gap_seconds_total``
+(consecutive lane steps, and the engine's wall time between them: no lane work on the GPU then), and the
 gauges ``vllm_loop:loopspec_gamma`` (tokens a request commits per R recurrent steps, since start)
 and ``vllm_loop:loopspec_lanes_per_step``.
 """
@@ -38,7 +39,8 @@ COUNTERS = {  # counter name -> EngineCounters field
     "gate_evaluations": "gate_evaluations", "gate_opens": "gate_opens", "lane_steps": "lane_steps",
     "prefill_joined_steps": "standard_steps", "chain_drafts": "chain_drafts", "chain_accepted": "chain_accepted",
     "plain_steps": "plain_steps", "pipelined_steps": "pipelined_steps", "barrier_drains": "drains",
-    "lane_step_seconds": "lane_step_seconds",
+    "lane_step_seconds": "lane_step_seconds", "lane_step_gaps": "lane_step_gaps",
+    "lane_step_gap_seconds": "lane_step_gap_seconds",
 }
 _metrics: dict | None = None  # created once per process (Prometheus names are global)
 
