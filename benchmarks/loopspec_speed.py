@@ -62,7 +62,8 @@ For each concurrency c: c requests with 32-token prompts, greedy (or ``--tempera
 ``--top-k``), ``ignore_eos``; the decode rate is
 c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
 ``--runs``. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
-commits per R recurrent steps), the commit shares and the lanes per recurrent step. Every ratio is
+commits per R recurrent steps), the commit shares, the lanes per recurrent step, the time in lane steps
+(``lane_step_s``) and the engine's time between two consecutive lane steps (``gap_ms``). Every ratio is
 taken against ``vanilla`` from the same run, and against ``in-tree`` too when it ran (``speedup_vs_in_tree``). Writes the JSON and, beside it, a PNG (tok/s vs
 concurrency, one line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine (lanes on, in-process)
 decodes one request (``--profile-requests N``: N at once) under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
