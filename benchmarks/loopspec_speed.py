@@ -380,7 +380,7 @@ def profile(args) -> None:
         head += (f"  host ms per recurrent step in the runner's ranges: {parts}; engine outside lane steps "
                  f"{wall * 1000 / steps - ranges.get('lane_step', 0):.3f}\n")
     head += (f"  unprofiled: {d_plain.lane_step_gaps} gaps between consecutive lane steps, "
-             f"{1000 * d_plain.lane_step_gap_seconds / max(d_plain.lane_step_gaps, 1):.3f} ms each (the engine's "
+             f"{d_plain.lane_step_gap_ms:.3f} ms each (the engine's "
              f"scheduler, output and loop; no lane work on the GPU)\n")
     table = f"  ops sorted by {sort}:\n" + events.table(sort_by=sort, row_limit=40)
     Path(args.out).with_suffix(".profile.txt").write_text(head + table + "\n")
@@ -391,6 +391,8 @@ def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
     """One row per (system, concurrency) from the workers' results: tok/s, the ratios against
     ``vanilla`` and, when it ran, against ``in-tree`` (issue 10's Ouro targets are stated against
     vLLM's own OuroForCausalLM), the short-run flag, and a LoopSpec engine's counters per long run."""
+    from vllm_loop.loopspec.metrics import EngineCounters
+
     base = {r["concurrency"]: r for r in results["vanilla"]["rows"]} if "vanilla" in results else {}
     in_tree = {r["concurrency"]: r for r in results["in-tree"]["rows"]} if "in-tree" in results else {}
     table = []
@@ -426,7 +428,7 @@ def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
                         "overlap_lagged": n["overlap_lagged"] / runs,
                         "lane_step_s": round(n["lane_step_seconds"] / runs, 3),
                         # the engine between two consecutive lane steps (the GPU has no lane work then)
-                        "gap_ms": round(1000 * n.get("lane_step_gap_seconds", 0.0) / max(n.get("lane_step_gaps", 0), 1), 3)}
+                        "gap_ms": round(EngineCounters(**n).lane_step_gap_ms, 3)}
             table.append(row)
     return table
 

@@ -227,7 +227,7 @@ class EngineCounters:
     lane_step_seconds: float = 0.0  # the runner's wall time in lane steps (their GPU work included)
     # the wall time from the end of a lane step to the start of the next, when the two are consecutive
     # engine steps: vLLM's scheduler, the step's output and the engine core's loop, during which the
-    # GPU has no lane work (the ~0.56 ms a step that LOCKSTEP's comment in runner.py estimates)
+    # GPU has no lane work
     lane_step_gaps: int = 0
     lane_step_gap_seconds: float = 0.0
 
@@ -237,6 +237,11 @@ class EngineCounters:
 
     def minus(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
+
+    @property
+    def lane_step_gap_ms(self) -> float:
+        """Mean engine time between two consecutive lane steps, in ms (0 without any)."""
+        return 1000 * self.lane_step_gap_seconds / self.lane_step_gaps if self.lane_step_gaps else 0.0
 
     @property
     def commits(self) -> int:
