@@ -49,29 +49,12 @@ def _check_compilation(llm, compilation: str) -> None:
 def test_ouro_parity_compiled_cuda_graphs(ckpt_factory, compilation):
     """fp32 (Triton attention), vLLM's default compilation (or none) and CUDA graphs: greedy tokens
     equal the reference; logprobs of the chosen tokens within 1e-3."""
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams
-
-    from vllm_loop.reference import load_reference
-
     path = ckpt_factory("ouro")
     llm = start_llm(path, **COMPILATION[compilation])
     try:
         _check_compilation(llm, compilation)
-        tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
-        prompts = [tok(p).input_ids for p in PROMPTS]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1))
-        worst = 0.0
-        for prompt, out in zip(prompts, outs):
-            got = list(out.outputs[0].token_ids)
-            assert got == ref.greedy_generate(prompt, 32)
-            logits = ref.forward_depths(torch.tensor(prompt + got[:-1]))[ref.depth][len(prompt) - 1:]
-            want = torch.log_softmax(logits.double(), -1)
-            for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
-                worst = max(worst, abs(lp[t].logprob - want[i, t].item()))
-        assert worst < 1e-3, worst
-        print(f"GPU Ouro parity ({compilation}): 8 prompts x 32 tokens identical; max |logprob diff| = {worst:.2e}")
+        n, worst, _ = _greedy_parity_with_logprobs(llm, path, "ouro")
+        print(f"GPU Ouro parity ({compilation}): {n} prompts x 32 tokens identical; max |logprob diff| = {worst:.2e}")
     finally:
         stop_llm(llm)
 
@@ -85,32 +68,39 @@ def test_raven_parity_compiled_cuda_graphs(ckpt_factory, layout, compilation):
     """Huginn-0125 and the retrofitted Raven layouts (Llama, OLMo-2) in fp32 (Triton attention)
     under vLLM's default compilation (or none) and full CUDA graphs: prelude, T core steps and coda
     banks; greedy tokens equal the reference, logprobs of the chosen tokens within 1e-3."""
+    path = ckpt_factory("huginn_raven", options={"layout": layout, "state_init": "seeded"})
+    llm = start_llm(path, **COMPILATION[compilation])
+    try:
+        _check_compilation(llm, compilation)
+        n, worst, depth = _greedy_parity_with_logprobs(llm, path, layout)
+        print(f"GPU Raven {layout} parity ({compilation}, T={depth}): {n} prompts x 32 tokens identical; "
+              f"max |logprob diff| = {worst:.2e}")
+    finally:
+        stop_llm(llm)
+
+
+def _greedy_parity_with_logprobs(llm, path: str, label: str) -> tuple[int, float, int]:
+    """32 greedy tokens per parity prompt equal the reference's; the chosen tokens' logprobs are within
+    1e-3 of the reference's (float64 log-softmax). Returns (prompts, worst logprob diff, reference depth)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from vllm_loop.reference import load_reference
 
-    path = ckpt_factory("huginn_raven", options={"layout": layout, "state_init": "seeded"})
-    llm = start_llm(path, **COMPILATION[compilation])
-    try:
-        _check_compilation(llm, compilation)
-        tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
-        prompts = [tok(p).input_ids for p in PROMPTS]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1))
-        worst = 0.0
-        for prompt, out in zip(prompts, outs):
-            got = list(out.outputs[0].token_ids)
-            assert got == ref.greedy_generate(prompt, 32), f"{layout}: prompt {prompt[:6]}..."
-            logits = ref.forward_depths(torch.tensor(prompt + got[:-1]))[ref.depth][len(prompt) - 1:]
-            want = torch.log_softmax(logits.double(), -1)
-            for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
-                worst = max(worst, abs(lp[t].logprob - want[i, t].item()))
-        assert worst < 1e-3, worst
-        print(f"GPU Raven {layout} parity ({compilation}, T={ref.depth}): {len(prompts)} prompts x 32 tokens identical; "
-              f"max |logprob diff| = {worst:.2e}")
-    finally:
-        stop_llm(llm)
+    tok, ref = AutoTokenizer.from_pretrained(path), load_reference(path)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1))
+    worst = 0.0
+    for prompt, out in zip(prompts, outs):
+        got = list(out.outputs[0].token_ids)
+        assert got == ref.greedy_generate(prompt, 32), f"{label}: prompt {prompt[:6]}..."
+        logits = ref.forward_depths(torch.tensor(prompt + got[:-1]))[ref.depth][len(prompt) - 1:]
+        want = torch.log_softmax(logits.double(), -1)
+        for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
+            worst = max(worst, abs(lp[t].logprob - want[i, t].item()))
+    assert worst < 1e-3, (label, worst)
+    return len(prompts), worst, ref.depth
 
 
 def test_ouro_early_exit_compiled_cuda_graphs(ckpt_factory):
