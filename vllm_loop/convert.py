@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_loop.cli import OneLineArgumentParser
 from vllm_loop.latent.spec import LatentSpec
 
 LATENT_TOKENS = ("<|start-latent|>", "<|end-latent|>", "<|latent|>")  # COCONUT / LOTUS add_tokens order
@@ -247,14 +248,8 @@ def convert(family: str, src, dst, *, base=None, latent_budget: int | None = Non
     return dst
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = _OneLineParser(prog="python -m vllm_loop.convert", description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(prog="python -m vllm_loop.convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", required=True, choices=FAMILIES)
     ap.add_argument("src", help="released checkpoint: a folder, or one weights file (then give --base)")
     ap.add_argument("dst", help="folder to write (its parent must exist)")

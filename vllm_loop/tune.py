@@ -11,19 +11,13 @@ list of strings or of token-id lists), anything else: one prompt per non-empty l
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from vllm_loop.cli import OneLineArgumentParser
 from vllm_loop.loopspec.proposals import SamplingParams
 from vllm_loop.loopspec.tune import format_profile, format_result, measure_depth_profile, plot_fit, tune_profile
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def read_prompts(path: Path) -> list:
@@ -69,7 +63,7 @@ def encode_prompts(items: list, checkpoint: Path) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(
+    ap = OneLineArgumentParser(
         prog="python -m vllm_loop.tune",
         description="Pick LoopSpec proposal depths (d1, d2) for a looped model from its measured TV decay.",
     )

@@ -17,7 +17,6 @@ Each family lives in ``vllm_loop/testing/families/<name>.py`` and registers itse
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm_loop.cli import OneLineArgumentParser
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 
@@ -313,17 +314,9 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (no usage dump, no traceback)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
     _load_families()
-    parser = _OneLineParser(
+    parser = OneLineArgumentParser(
         prog="python -m vllm_loop.testing.checkpoints",
         description="Write a tiny random checkpoint with a family's real config keys and tensor names.",
     )
