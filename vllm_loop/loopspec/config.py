@@ -110,6 +110,14 @@ def _field(config: dict, key: str):
     return value
 
 
+def _choice(config: dict, key: str, allowed: tuple[str, ...]) -> str:
+    value = config.get(key, "auto")
+    if value not in allowed:
+        raise ValueError(f"speculative_config (loopspec): {key}={value!r} is invalid; allowed values: "
+                         f"{', '.join(map(repr, allowed))}")
+    return value
+
+
 def build_schedule(config: dict, family: str, R: int) -> tuple[LoopSpecSchedule, int]:
     """Validated (schedule, max_lanes) from a user's loopspec config; errors name the key and the rule."""
     unknown = sorted(set(config) - set(KEYS))
@@ -147,22 +155,10 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
             "speculative_config (loopspec) verifies every token at full depth R, but this deployment reads "
             "another depth (early_exit_step / early_exit_threshold < 1): remove those overrides or loopspec")
     schedule, max_lanes = build_schedule(config, family, R)
-    lanes = config.get("lanes", "auto")
-    if lanes not in LANES_MODES:
-        raise ValueError(f"speculative_config (loopspec): lanes={lanes!r} is invalid; allowed values: "
-                         f"{', '.join(map(repr, LANES_MODES))}")
-    graphs = config.get("lane_graphs", "auto")
-    if graphs not in LANE_GRAPHS:
-        raise ValueError(f"speculative_config (loopspec): lane_graphs={graphs!r} is invalid; allowed values: "
-                         f"{', '.join(map(repr, LANE_GRAPHS))}")
-    attention = config.get("lane_attention", "auto")
-    if attention not in LANE_ATTENTION:
-        raise ValueError(f"speculative_config (loopspec): lane_attention={attention!r} is invalid; allowed values: "
-                         f"{', '.join(map(repr, LANE_ATTENTION))}")
-    overlap = config.get("lane_overlap", "auto")
-    if overlap not in LANE_OVERLAP:
-        raise ValueError(f"speculative_config (loopspec): lane_overlap={overlap!r} is invalid; allowed values: "
-                         f"{', '.join(map(repr, LANE_OVERLAP))}")
+    lanes = _choice(config, "lanes", LANES_MODES)
+    graphs = _choice(config, "lane_graphs", LANE_GRAPHS)
+    attention = _choice(config, "lane_attention", LANE_ATTENTION)
+    overlap = _choice(config, "lane_overlap", LANE_OVERLAP)
     step_tokens = _field(config, "step_tokens")
     step_tokens = STEP_TOKENS if step_tokens is None else step_tokens
     if not 0 <= step_tokens <= MAX_STEP_TOKENS:
