@@ -152,6 +152,19 @@ def settings_blocks(case, width, paged) -> dict:
             for w in (1, 2, 4) for n in (16, 32, 64) for s in sorted({own, 64, 128}) if s % n == 0}
 
 
+def settings_tiles(case, width, paged) -> dict:
+    """The prefix walk in one head-dimension tile padded to a power of two (``t1``) or two (``t2``, the
+    module's for Huginn's 96; Ouro's 128 is one tile either way), x positions a step (``n``) x
+    software-pipelining stages (``st``: Triton's default, or 1-4), one warp, the module's split."""
+    from vllm_loop_kernels.lane_attention import default_split
+
+    own = default_split(case[1] * case[2], paged.num_heads)
+    grid = [(1, 16, None), (2, 16, None), (1, 8, None), (2, 8, None), (2, 32, None)] + \
+           [(2, 16, st) for st in (1, 2, 4)] + [(2, 8, st) for st in (1, 2, 4)]
+    return {f"t{t}n{n}st{st or 'default'}": ({"split": own}, {"TWO_TILES": t == 2, "BLOCK_N": n, "LANE_STAGES": st})
+            for t, n, st in grid}
+
+
 def ancestors_sweep(baseline: str) -> list[str]:
     """The module's kernel and ``baseline``'s on lanes with deep ancestor lists (``--ancestors``)."""
     import importlib.util
@@ -198,6 +211,8 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="one-pass merge against two-pass, on the sweep's cases")
     ap.add_argument("--ancestors", metavar="FILE", help="deep lane windows: the module's kernel against FILE's")
     ap.add_argument("--blocks", action="store_true", help="warps x positions a step x a program, engine lane counts")
+    ap.add_argument("--tiles", action="store_true",
+                    help="one or two head-dimension tiles x positions a step x pipelining stages, engine lane counts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_attention_sweep.py needs a CUDA GPU")
@@ -205,6 +220,8 @@ def main() -> None:
         lines = ancestors_sweep(args.ancestors)
     elif args.blocks:
         lines = sweep(BLOCKS, settings_blocks, widths=(64,))
+    elif args.tiles:
+        lines = sweep(BLOCKS, settings_tiles, widths=(64,))
     elif args.new_vs_old:
         lines = sweep(NEW_VS_OLD, settings_new_vs_old)
     else:
