@@ -29,7 +29,7 @@ with the kernel in FILE (an earlier copy of ``kernels/lane_attention.py``), same
     git show 7432c9e:kernels/lane_attention.py > /tmp/old.py
     python benchmarks/lane_attention_sweep.py --ancestors /tmp/old.py --out lane-attention-ancestors.jsonl
 
-``--blocks``: the lane kernel at 1 / 2 / 4 warps per program, 16 / 32 / 64 positions a step
+``--blocks``: the lane kernel at 1 / 2 / 4 warps per program, 2 to 64 positions a step
 (``BLOCK_N``) and the module's split or 64 / 128 positions a program (``w{warps}n{positions}s{split}``),
 on the engine's lane counts at one and four requests: Huginn-0125 (1:5, ~28 lanes a request, up to 31
 ancestors each) and Ouro-1.4B (1:2, ~4):
@@ -149,20 +149,7 @@ def settings_blocks(case, width, paged) -> dict:
 
     own = default_split(case[1] * case[2], paged.num_heads)
     return {f"w{w}n{n}s{s}": ({"split": s}, {"LANE_WARPS": w, "BLOCK_N": n})
-            for w in (1, 2, 4) for n in (16, 32, 64) for s in sorted({own, 64, 128}) if s % n == 0}
-
-
-def settings_tiles(case, width, paged) -> dict:
-    """The prefix walk in one head-dimension tile padded to a power of two (``t1``) or two (``t2``, the
-    module's for Huginn's 96; Ouro's 128 is one tile either way), x positions a step (``n``) x
-    software-pipelining stages (``st``: Triton's default, or 1-4), one warp, the module's split."""
-    from vllm_loop_kernels.lane_attention import default_split
-
-    own = default_split(case[1] * case[2], paged.num_heads)
-    grid = [(1, 16, None), (2, 16, None), (1, 8, None), (2, 8, None), (2, 32, None)] + \
-           [(2, 16, st) for st in (1, 2, 4)] + [(2, 8, st) for st in (1, 2, 4)]
-    return {f"t{t}n{n}st{st or 'default'}": ({"split": own}, {"TWO_TILES": t == 2, "BLOCK_N": n, "LANE_STAGES": st})
-            for t, n, st in grid}
+            for w in (1, 2, 4) for n in (2, 4, 8, 16, 32, 64) for s in sorted({own, 64, 128}) if s % n == 0}
 
 
 def ancestors_sweep(baseline: str) -> list[str]:
@@ -211,8 +198,6 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="one-pass merge against two-pass, on the sweep's cases")
     ap.add_argument("--ancestors", metavar="FILE", help="deep lane windows: the module's kernel against FILE's")
     ap.add_argument("--blocks", action="store_true", help="warps x positions a step x a program, engine lane counts")
-    ap.add_argument("--tiles", action="store_true",
-                    help="one or two head-dimension tiles x positions a step x pipelining stages, engine lane counts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_attention_sweep.py needs a CUDA GPU")
@@ -220,8 +205,6 @@ def main() -> None:
         lines = ancestors_sweep(args.ancestors)
     elif args.blocks:
         lines = sweep(BLOCKS, settings_blocks, widths=(64,))
-    elif args.tiles:
-        lines = sweep(BLOCKS, settings_tiles, widths=(64,))
     elif args.new_vs_old:
         lines = sweep(NEW_VS_OLD, settings_new_vs_old)
     else:

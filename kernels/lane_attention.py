@@ -105,60 +105,6 @@ def _valid_pieces(prefix, SPLIT: tl.constexpr, PIECES: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _walk_prefix_two_tiles(q_ptr, sq0, sq1, k_ptr, v_ptr, sk0, sk1, sk2, sk3, sk4, sv0, sv1, sv2, sv3, sv4,
-                           table_ptr, st0, st1, acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms,
-                           cs, qb_ptr, row, head, qh, rmask, page, start, end, piece, scale,
-                           B: tl.constexpr, D: tl.constexpr, D_LO: tl.constexpr, D_HI: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
-    """The prefix walk of a head size that is not a power of two (Huginn's 96) in two tiles, ``D_LO``
-    (64) and ``D_HI`` (32) wide, instead of one padded to the next power of two (128): a quarter fewer
-    registers for K, V and their products, and registers bound how many programs run at once. Stores
-    the piece's partial result."""
-    d_lo = tl.arange(0, D_LO)
-    d_hi = D_LO + tl.arange(0, D_HI)
-    hmask = d_hi < D
-    q_at = q_ptr + row * sq0 + qh[:, None] * sq1
-    qb = qb_ptr + qh[:, None] * D
-    q_lo = _load_rotated(q_at + d_lo[None, :], rmask[:, None], d_lo[None, :], cs, ROT, NEOX, qb + d_lo[None, :],
-                         HAS_BIAS)
-    q_hi = _load_rotated(q_at + d_hi[None, :], rmask[:, None] & hmask[None, :], d_hi[None, :], cs, ROT, NEOX,
-                         qb + d_hi[None, :], HAS_BIAS)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc_lo = tl.zeros([BLOCK_R, D_LO], tl.float32)
-    acc_hi = tl.zeros([BLOCK_R, D_HI], tl.float32)
-    for first in range(start, end, BLOCK_N):
-        j = first + tl.arange(0, BLOCK_N)
-        jmask = j < end
-        block = tl.load(table_ptr + row * st0 + (j // B) * st1, mask=jmask, other=0).to(tl.int64)
-        off = (j % B).to(tl.int64)
-        k_at = k_ptr + block[:, None] * sk0 + page * sk1 + head * sk2 + off[:, None] * sk3
-        v_at = v_ptr + block[:, None] * sv0 + page * sv1 + head * sv2 + off[:, None] * sv3
-        hi_mask = jmask[:, None] & hmask[None, :]
-        k_lo = tl.load(k_at + d_lo[None, :] * sk4, mask=jmask[:, None], other=0.0).to(tl.float32)
-        k_hi = tl.load(k_at + d_hi[None, :] * sk4, mask=hi_mask, other=0.0).to(tl.float32)
-        v_lo = tl.load(v_at + d_lo[None, :] * sv4, mask=jmask[:, None], other=0.0).to(tl.float32)
-        v_hi = tl.load(v_at + d_hi[None, :] * sv4, mask=hi_mask, other=0.0).to(tl.float32)
-        s = (tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2)
-             + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)) * scale  # [R, N]
-        s = tl.where(jmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], axis=1)
-        acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], axis=1)
-        m = m_new
-    at = acc_ptr + row * san + qh[:, None] * sah + piece * sas
-    tl.store(at + d_lo[None, :], acc_lo, mask=rmask[:, None])
-    tl.store(at + d_hi[None, :], acc_hi, mask=rmask[:, None] & hmask[None, :])
-    ml = ml_ptr + row * smn + qh * smh + piece * sms
-    tl.store(ml, m, mask=rmask)
-    tl.store(ml + 1, l, mask=rmask)
-
-
-@triton.jit
 def _store_partial(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, row, qh, piece, d, rmask, dmask, m, l, acc):
     tl.store(acc_ptr + row * san + qh[:, None] * sah + piece * sas + d[None, :], acc,
              mask=rmask[:, None] & dmask[None, :])
@@ -186,7 +132,6 @@ def _lane_kernel(
     B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PIECES: tl.constexpr,
     ROT: tl.constexpr, NEOX: tl.constexpr, ONE_PASS: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr,
-    D_LO: tl.constexpr, D_HI: tl.constexpr,
 ):
     """Program (lane, KV head, piece): pieces ``0..PIECES-1`` walk their part of the paged prefix,
     piece ``PIECES`` the lane window; each leaves a partial result. ``ONE_PASS``: the last program of
@@ -216,25 +161,17 @@ def _lane_kernel(
             page = tl.load(page_of_ptr + bank).to(tl.int64)
             start = piece * chunk
             end = tl.minimum(start + chunk, prefix)
-            if D_HI > 0:  # (compile time) a head size that is not a power of two
-                _walk_prefix_two_tiles(q_ptr, sq0, sq1, k_ptr, v_ptr, sk0, sk1, sk2, sk3, sk4,
-                                       sv0, sv1, sv2, sv3, sv4, table_ptr, st0, st1, acc_ptr, san, sah, sas,
-                                       ml_ptr, smn, smh, sms, cs, qb_ptr, row, head, qh, rmask, page, start, end,
-                                       piece, scale, B, D, D_LO, D_HI, BLOCK_R, BLOCK_N, ROT, NEOX, HAS_BIAS)
-            else:
-                for first in range(start, end, BLOCK_N):
-                    j = first + tl.arange(0, BLOCK_N)
-                    jmask = j < end
-                    block = tl.load(table_ptr + row * st0 + (j // B) * st1, mask=jmask, other=0).to(tl.int64)
-                    off = (j % B).to(tl.int64)
-                    kv_mask = jmask[:, None] & dmask[None, :]
-                    k = tl.load(k_ptr + block[:, None] * sk0 + page * sk1 + head * sk2 + off[:, None] * sk3
-                                + d[None, :] * sk4, mask=kv_mask, other=0.0).to(tl.float32)
-                    v = tl.load(v_ptr + block[:, None] * sv0 + page * sv1 + head * sv2 + off[:, None] * sv3
-                                + d[None, :] * sv4, mask=kv_mask, other=0.0).to(tl.float32)
-                    m, l, acc = _online_softmax_step(q, k, v, jmask, m, l, acc, scale)
-                _store_partial(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, row, qh, piece, d, rmask, dmask,
-                               m, l, acc)
+            for first in range(start, end, BLOCK_N):
+                j = first + tl.arange(0, BLOCK_N)
+                jmask = j < end
+                block = tl.load(table_ptr + row * st0 + (j // B) * st1, mask=jmask, other=0).to(tl.int64)
+                off = (j % B).to(tl.int64)
+                kv_mask = jmask[:, None] & dmask[None, :]
+                k = tl.load(k_ptr + block[:, None] * sk0 + page * sk1 + head * sk2 + off[:, None] * sk3
+                            + d[None, :] * sk4, mask=kv_mask, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + block[:, None] * sv0 + page * sv1 + head * sv2 + off[:, None] * sv3
+                            + d[None, :] * sv4, mask=kv_mask, other=0.0).to(tl.float32)
+                m, l, acc = _online_softmax_step(q, k, v, jmask, m, l, acc, scale)
         else:  # the lane window
             # the lane's own K/V into its pool slot (as stored, so self-attention sees the pool's rounding)
             pool_ty = pool_ptr.dtype.element_ty
@@ -263,7 +200,7 @@ def _lane_kernel(
                 k = tl.load(base, mask=w_mask, other=0.0).to(tl.float32)
                 v = tl.load(base + sp2, mask=w_mask, other=0.0).to(tl.float32)
                 m, l, acc = _online_softmax_step(q, k, v, ancestor, m, l, acc, scale)
-            _store_partial(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, row, qh, piece, d, rmask, dmask, m, l, acc)
+        _store_partial(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, row, qh, piece, d, rmask, dmask, m, l, acc)
         if ONE_PASS:
             # Split-K's "last one merges": every thread's partial is stored before the barrier, the
             # release half of the atomic publishes them, its acquire half makes the others' visible to
@@ -327,22 +264,6 @@ BLOCK_N = 16  # prefix positions per inner step
 # kernels from 14.7 to 11.6 us at 4 Ouro-1.4B lanes x 352 positions, 341 to 199 us at 256 lanes,
 # 80 to 48 us at 16 Huginn lanes (H200, Triton's default of 4 before; RESULTS.md, thirteenth run).
 LANE_WARPS = MERGE_WARPS = 1
-# Software-pipelining stages of the lane kernel's loops (Triton's ``num_stages``; None: Triton's default).
-LANE_STAGES: int | None = None
-# A head size that is not a power of two (Huginn's 96) walks the prefix in two tiles (64 + 32) rather
-# than one padded to the next power of two (128); False (the default): one padded tile. An experiment:
-# two tiles were 20-25 % slower (H100, thirty-eighth run).
-TWO_TILES = False
-
-
-def head_tiles(D: int) -> tuple[int, int]:
-    """``(D_LO, D_HI)``: the prefix walk's two head-dimension tiles (powers of two, ``D_LO + D_HI >= D``),
-    or ``(next power of two, 0)`` for one tile."""
-    block = triton.next_power_of_2(D)
-    if not TWO_TILES or block == D:
-        return block, 0
-    lo = block // 2
-    return lo, triton.next_power_of_2(D - lo)
 # The prefix is split into pieces of `split` positions up to this many positions; a longer prefix gets
 # longer pieces. So the launch (and the partial results) stay the size of a 1,024-position table
 # whatever the engine's max_model_len: split over the whole block table, an 8,192-token table made
@@ -427,7 +348,6 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     counters = arrival_counters(q.device, n * H, "lane_attention") if one_pass else slots
     A = ancestors.shape[1]
     pdl = compiled(use_pdl(q.device))
-    d_lo, d_hi = head_tiles(D)
     meta = dict(D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rep), BLOCK_N=BLOCK_N,
                 SPLIT=split, PIECES=pieces, BLOCK_S=min(16, triton.next_power_of_2(pieces)), GDC=pdl, launch_pdl=pdl)
     _lane_kernel[(n, H, pieces + 1)](
@@ -442,8 +362,7 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
         *parts, counters, positions, cos_sin, cos_sin.stride(0), *(bias if bias is not None else (q, q)),
         scale, A, rep,
         B=B, BLOCK_A=triton.next_power_of_2(A + 1), ROT=rot, NEOX=neox, ONE_PASS=one_pass, HAS_BIAS=bias is not None,
-        D_LO=d_lo, D_HI=d_hi, num_warps=LANE_WARPS, **({} if LANE_STAGES is None else {"num_stages": LANE_STAGES}),
-        **meta,
+        num_warps=LANE_WARPS, **meta,
     )
     if not one_pass:
         _merge_kernel[(n, H)](out, out.stride(0), out.stride(1), prefix, *parts, rep, num_warps=MERGE_WARPS, **meta)
