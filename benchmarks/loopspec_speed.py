@@ -61,7 +61,10 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
 ``--top-k``), ``ignore_eos``; the decode rate is
 c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
-``--runs``. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
+``--runs``. ``--texts K``: K different prompt sets of c requests each, one after another, their times
+summed (rate K x c x 512 / the summed difference): on random weights the greedy text decides how
+much a LoopSpec request accepts, and a change that only rounds differently (a kernel's summation
+order) can move a one-text ratio by ~10 %; K texts average that out. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
 commits per R recurrent steps), the commit shares, the lanes per recurrent step, the time in lane steps
 (``lane_step_s``) and the engine's time between two consecutive lane steps (``gap_ms``). Every ratio is
 taken against ``vanilla`` from the same run, and against ``in-tree`` too when it ran (``speedup_vs_in_tree``). Writes the JSON and, beside it, a PNG (tok/s vs
@@ -166,17 +169,25 @@ def make_shape_checkpoint(shape: str, folder: Path, agreement: str) -> None:
 
 
 def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None = None,
-             length: int = PROMPT_LEN) -> list[dict]:
-    """``synthetic``: ``length`` arbitrary token ids each; ``heldout``: lines of the held-out works (for
-    a model trained on the corpus: ``benchmarks/train_looped.py``), tokenized."""
+             length: int = PROMPT_LEN, first: int = 0) -> list[dict]:
+    """Prompts ``first .. first + n - 1``. ``synthetic``: ``length`` arbitrary token ids each;
+    ``heldout``: lines of the held-out works (for a model trained on the corpus:
+    ``benchmarks/train_looped.py``), tokenized."""
     if kind == "heldout":
         from transformers import AutoTokenizer
 
         from vllm_loop.testing.trained import heldout_prompts
 
         tok = AutoTokenizer.from_pretrained(checkpoint)
-        return [{"prompt_token_ids": tok(text).input_ids} for text in heldout_prompts(n)]
-    return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(length)]} for i in range(n)]
+        return [{"prompt_token_ids": tok(text).input_ids} for text in heldout_prompts(first + n)[first:]]
+    return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(length)]}
+            for i in range(first, first + n)]
+
+
+def decode_rate(c: int, texts: int, shorts: list[float], longs: list[float]) -> float:
+    """Output tokens a second between the 64th and the 576th token: ``c`` requests of each of ``texts``
+    prompt sets; ``shorts`` / ``longs``: each run's seconds for all of them (median of the runs)."""
+    return texts * c * (LONG - SHORT) / (statistics.median(longs) - statistics.median(shorts))
 
 
 def tuned_depths(path: str | None) -> dict:
@@ -252,16 +263,21 @@ def worker(args) -> dict:
     if args.worker.startswith("loopspec"):
         from vllm_loop.loopspec.stat_logger import engine_totals
 
-    def run(n: int, out_len: int) -> tuple[float, list[list[int]]]:
+    def run(n: int, out_len: int, texts: int = args.texts) -> tuple[float, list[list[int]]]:
+        """Seconds for ``texts`` prompt sets of ``n`` requests, one set after another, and their tokens."""
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True, detokenize=False, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
-        t = time.perf_counter()
-        outs = llm.generate(_prompts(n, cfg["vocab_size"], args.prompts, args.checkpoint), sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
-        return dt, [list(o.outputs[0].token_ids) for o in outs]
+        dt, tokens = 0.0, []
+        for text in range(texts):
+            prompts = _prompts(n, cfg["vocab_size"], args.prompts, args.checkpoint, first=text * n)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            dt += time.perf_counter() - t
+            assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
+            tokens += [list(o.outputs[0].token_ids) for o in outs]
+        return dt, tokens
 
-    run(1, 16), run(max(args.concurrency), 16)  # warm-up
+    run(1, 16, 1), run(max(args.concurrency), 16, 1)  # warm-up
     rows = []
     for c in args.concurrency:
         shorts = [run(c, SHORT)[0] for _ in range(args.runs)]
@@ -271,7 +287,7 @@ def worker(args) -> dict:
             dt, tokens = run(c, LONG)
             longs.append(dt)
         row = {"concurrency": c, "t_short_s": statistics.median(shorts), "t_long_s": statistics.median(longs),
-               "tok_s": c * (LONG - SHORT) / (statistics.median(longs) - statistics.median(shorts)), "tokens": tokens}
+               "tok_s": decode_rate(c, args.texts, shorts, longs), "tokens": tokens}
         row["ms_per_token_per_request"] = 1000 * c / row["tok_s"]
         if before is not None:
             delta = engine_totals().minus(before)
@@ -390,7 +406,8 @@ def profile(args) -> None:
 def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
     """One row per (system, concurrency) from the workers' results: tok/s, the ratios against
     ``vanilla`` and, when it ran, against ``in-tree`` (issue 10's Ouro targets are stated against
-    vLLM's own OuroForCausalLM), the short-run flag, and a LoopSpec engine's counters per long run."""
+    vLLM's own OuroForCausalLM), the short-run flag, and a LoopSpec engine's counters per long run (all of
+    its ``--texts`` prompt sets)."""
     from vllm_loop.loopspec.metrics import EngineCounters
 
     base = {r["concurrency"]: r for r in results["vanilla"]["rows"]} if "vanilla" in results else {}
@@ -421,7 +438,7 @@ def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
                         "second": round(ls["shares"]["second"], 3), "late": round(ls["shares"]["late"], 3),
                         "full": round(ls["shares"]["full"], 3),
                         "lanes_per_step": round(ls["lanes_per_step"], 2),
-                        # per long run: where a LoopSpec engine's steps went
+                        # per long run (all its prompt sets): where a LoopSpec engine's steps went
                         "lane_steps": n["lane_steps"] / runs, "plain_steps": n["plain_steps"] / runs,
                         "drains": n["drains"] / runs, "recurrent_steps": n["recurrent_steps"] / runs,
                         "overlap_wasted": n["overlap_wasted"] / runs,
@@ -470,6 +487,8 @@ def main() -> int:
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="heldout: held-out corpus lines (for trained checkpoints)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--texts", type=int, default=1, help="prompt sets timed one after another at each concurrency "
+                    "(their times summed; default 1: the same prompts as every earlier run)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling (default 0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="0: off")
@@ -485,6 +504,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.texts < 1:
+        ap.error(f"--texts {args.texts}: allowed: an integer >= 1")
     spec = SHAPES[args.shape][3]
     args.spec = args.spec or json.dumps(spec)
     args.agreement = args.agreement or AGREEMENT.get(args.shape, "0.005")
@@ -519,7 +540,8 @@ def compare(args) -> int:
     results, failed = {}, []
     for system in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--spec", args.spec,
-               "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--dtype", args.dtype, "--out", args.out,
+               "--checkpoint", args.checkpoint, "--runs", str(args.runs), "--texts", str(args.texts),
+               "--dtype", args.dtype, "--out", args.out,
                "--eager", args.eager, "--prompts", args.prompts, "--temperature", str(args.temperature),
                "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)] + \
               schedule_args
@@ -547,7 +569,8 @@ def compare(args) -> int:
            "agreement": float(args.agreement), "spec": json.loads(args.spec),
            "tuned": tuned_depths(args.tuned) if args.tuned else None, "late": args.late,
            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
-           "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "table": table,
+           "prompt_len": PROMPT_LEN, "decode_tokens": LONG - SHORT, "runs": args.runs, "texts": args.texts,
+           "table": table,
            "systems": results, "failed": failed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from loopspec_speed import nominal_bandwidth, side_by_side, split_system  # noqa: E402
+from loopspec_speed import _prompts, decode_rate, nominal_bandwidth, side_by_side, split_system  # noqa: E402
 
 
 def _row(c: int, tok_s: float, t_short: float, t_long: float, tokens: list[list[int]], **extra) -> dict:
@@ -82,3 +82,26 @@ def test_ensure_checkpoint_makes_a_missing_one_once(tmp_path, monkeypatch):
     loopspec_speed.ensure_checkpoint("tiny-ouro", folder, "0.001")  # exists now: not made again
     assert made == [("tiny-ouro", "tiny-ouro.partial", "0.001")]
     assert (folder / "config.json").exists() and not folder.with_name("tiny-ouro.partial").exists()
+
+
+def test_decode_rate_counts_every_prompt_set():
+    """c requests x K prompt sets x 512 tokens over the median long-minus-short time."""
+    assert decode_rate(1, 1, [0.5, 0.7, 0.6], [4.6, 4.0, 4.2]) == 512 / (4.2 - 0.6)
+    assert decode_rate(4, 3, [1.0], [9.0]) == 3 * 4 * 512 / 8.0
+
+
+def test_prompt_sets_are_distinct_and_the_first_is_unchanged():
+    one = _prompts(2, 1000)
+    assert one == _prompts(2, 1000, first=0)  # --texts 1 decodes the prompts of every earlier run
+    sets = [_prompts(2, 1000, first=k * 2) for k in range(3)]
+    ids = [tuple(p["prompt_token_ids"]) for s in sets for p in s]
+    assert len(set(ids)) == 6 and sets[1][0] == _prompts(3, 1000)[2]
+
+
+def test_texts_must_be_positive():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "loopspec_speed.py"
+    proc = subprocess.run([sys.executable, str(script), "--texts", "0", "--out", "/tmp/unused.json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--texts 0: allowed: an integer >= 1" in proc.stderr
