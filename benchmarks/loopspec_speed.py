@@ -59,17 +59,18 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   (``compilation_config={"mode": 3}``): vanilla's default, a LoopSpec engine's before 2026-12-04.
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
-``--top-k``), ``ignore_eos``; the decode rate is
-c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and start-up cancel), median of
-``--runs``. ``--texts K``: K different prompt sets of c requests each, one after another, their times
-summed (rate K x c x 512 / the summed difference): on random weights the greedy text decides how
-much a LoopSpec request accepts, and a change that only rounds differently (a kernel's summation
-order) can move a one-text ratio by ~10 %; K texts average that out. For LoopSpec the engine's own counters over the long runs give gamma (tokens a request
-commits per R recurrent steps), the commit shares, the lanes per recurrent step, the time in lane steps
-(``lane_step_s``) and the engine's time between two consecutive lane steps (``gap_ms``). Every ratio is
-taken against ``vanilla`` from the same run, and against ``in-tree`` too when it ran (``speedup_vs_in_tree``). Writes the JSON and, beside it, a PNG (tok/s vs
-concurrency, one line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine (lanes on, in-process)
-decodes one request (``--profile-requests N``: N at once) under ``torch.profiler``; the op table per lane step goes to ``*.profile.txt``.
+``--top-k``), ``ignore_eos``; the decode rate is c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and
+start-up cancel), median of ``--runs``. ``--texts K``: K different prompt sets of c requests each, one after
+another, their times summed (rate K x c x 512 / the summed difference): on random weights the greedy text
+decides how much a LoopSpec request accepts, and a change that only rounds differently (a kernel's summation
+order) can move a one-text ratio by ~10 %; K texts average that out. For LoopSpec the engine's own counters
+over the long runs give gamma (tokens a request commits per R recurrent steps), the commit shares, the lanes
+per recurrent step, the time in lane steps (``lane_step_s``) and the engine's time between two consecutive
+lane steps (``gap_ms``). Every ratio is taken against ``vanilla`` from the same run, and against ``in-tree``
+too when it ran (``speedup_vs_in_tree``). Writes the JSON and, beside it, a PNG (tok/s vs concurrency, one
+line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine
+(lanes on, in-process) decodes one request (``--profile-requests N``: N at once) under ``torch.profiler``; the
+op table per lane step goes to ``*.profile.txt``.
 
     python benchmarks/loopspec_speed.py --shape ouro-1.4b --concurrency 1 4 \\
         --out benchmarks/results/loopspec-speed-ouro-1.4b-h200.json
