@@ -185,10 +185,10 @@ def _prompts(n: int, vocab: int, kind: str = "synthetic", checkpoint: str | None
             for i in range(first, first + n)]
 
 
-def decode_rate(c: int, texts: int, shorts: list[float], longs: list[float]) -> float:
+def decode_rate(c: int, texts: int, t_short: float, t_long: float) -> float:
     """Output tokens a second between the 64th and the 576th token: ``c`` requests of each of ``texts``
-    prompt sets; ``shorts`` / ``longs``: each run's seconds for all of them (median of the runs)."""
-    return texts * c * (LONG - SHORT) / (statistics.median(longs) - statistics.median(shorts))
+    prompt sets; ``t_short`` / ``t_long``: the seconds for all of them (medians of the runs)."""
+    return texts * c * (LONG - SHORT) / (t_long - t_short)
 
 
 def tuned_depths(path: str | None) -> dict:
@@ -287,8 +287,9 @@ def worker(args) -> dict:
         for _ in range(args.runs):
             dt, tokens = run(c, LONG)
             longs.append(dt)
-        row = {"concurrency": c, "t_short_s": statistics.median(shorts), "t_long_s": statistics.median(longs),
-               "tok_s": decode_rate(c, args.texts, shorts, longs), "tokens": tokens}
+        t_short, t_long = statistics.median(shorts), statistics.median(longs)
+        row = {"concurrency": c, "t_short_s": t_short, "t_long_s": t_long,
+               "tok_s": decode_rate(c, args.texts, t_short, t_long), "tokens": tokens}
         row["ms_per_token_per_request"] = 1000 * c / row["tok_s"]
         if before is not None:
             delta = engine_totals().minus(before)
