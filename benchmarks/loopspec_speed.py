@@ -56,7 +56,12 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   graphs unchanged). It starts without Dynamo / Inductor (most of a looped model's cold start). Since
   2026-12-04 this is a LoopSpec engine's default on one CUDA GPU (``config.fast_start_compilation``);
 * ``SYSTEM-compiled`` -- the same engine with vLLM's ``torch.compile`` asked for
-  (``compilation_config={"mode": 3}``): vanilla's default, a LoopSpec engine's before 2026-12-04.
+  (``compilation_config={"mode": 3}``): vanilla's default, a LoopSpec engine's before 2026-12-04;
+* ``SYSTEM-fullgraphs`` -- no ``torch.compile`` and vLLM's full CUDA graphs for every step of up to 512
+  tokens, prefills and mixed steps included (``{"mode": 0, "cudagraph_mode": "FULL",
+  "max_cudagraph_capture_size": 512}``; vLLM falls back to decode-only graphs where the attention
+  backend cannot replay mixed steps). For measuring only: a LoopSpec engine runs it only with
+  ``VLLM_LOOP_FULL_MIXED_GRAPHS=1``, which this suffix sets (``config.mixed_graphs_fallback`` says why).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
 ``--top-k``), ``ignore_eos``; the decode rate is c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and
@@ -120,7 +125,10 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
            "loopspec-nographs", "loopspec-torch", "loopspec-triton", "loopspec-fused", "loopspec-triton-fused",
            "loopspec-tuned", "loopspec-tuned-late", "in-tree")
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
-COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3}}
+COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3},
+               "-fullgraphs": {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}}
+# ... and the environment one needs: a LoopSpec engine keeps FULL only when told (config.mixed_graphs_fallback)
+COMPILATION_ENV = {"-fullgraphs": {"VLLM_LOOP_FULL_MIXED_GRAPHS": "1"}}
 # suffixes to a LoopSpec system (any order, split_system): the environment of its lane kernels (the docstring)
 LANE_KERNELS = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
                 "-pdl": ("VLLM_LOOP_PDL", "1")}
@@ -137,6 +145,7 @@ def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | N
             system, env[key] = system.removesuffix(suffix), value
         elif suffix := next((x for x in COMPILATION if system.endswith(x)), None):
             system, compilation = system.removesuffix(suffix), COMPILATION[suffix]
+            env |= COMPILATION_ENV.get(suffix, {})
         elif match := re.fullmatch(r"(loopspec.*)-step(\d+)", system):
             system, step_tokens = match[1], int(match[2])
         else:
@@ -281,6 +290,7 @@ def worker(args) -> dict:
     run(1, 16, 1), run(max(args.concurrency), 16, 1)  # warm-up
     rows = []
     for c in args.concurrency:
+        firsts = [run(c, 1, 1)[0] for _ in range(args.runs)]  # one prompt set's prefill and first token
         shorts = [run(c, SHORT)[0] for _ in range(args.runs)]
         before = engine_totals() if engine_totals else None
         longs, tokens = [], None
@@ -288,7 +298,7 @@ def worker(args) -> dict:
             dt, tokens = run(c, LONG)
             longs.append(dt)
         t_short, t_long = statistics.median(shorts), statistics.median(longs)
-        row = {"concurrency": c, "t_short_s": t_short, "t_long_s": t_long,
+        row = {"concurrency": c, "t_first_s": statistics.median(firsts), "t_short_s": t_short, "t_long_s": t_long,
                "tok_s": decode_rate(c, args.texts, t_short, t_long), "tokens": tokens}
         row["ms_per_token_per_request"] = 1000 * c / row["tok_s"]
         if before is not None:
@@ -419,6 +429,8 @@ def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
         for r in res["rows"]:
             row = {"system": system, "concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1),
                    "ms_per_token_per_request": round(r["ms_per_token_per_request"], 3)}
+            if "t_first_s" in r:  # (absent from results written before 2026-12-06)
+                row["first_token_ms"] = round(1000 * r["t_first_s"], 1)
             if r["concurrency"] in base:
                 b = base[r["concurrency"]]
                 row["speedup_vs_vanilla"] = round(r["tok_s"] / b["tok_s"], 3)

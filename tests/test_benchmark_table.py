@@ -44,6 +44,16 @@ def test_without_in_tree_no_in_tree_ratios():
     assert [r["speedup_vs_vanilla"] for r in table] == [1.0, 3.0]
 
 
+def test_first_token_time_when_measured():
+    """The time to the first token (prefill included) is reported in ms where a worker measured it;
+    results written before it was measured still make a table."""
+    results = {"vanilla": {"rows": [_row(1, 30.0, 2.2, 19.7, [[1]], t_first_s=0.0412)]},
+               "loopspec": {"rows": [_row(1, 270.0, 0.4, 2.3, [[1]])]}}
+    table = {r["system"]: r for r in side_by_side(results, runs=1)}
+    assert table["vanilla"]["first_token_ms"] == 41.2
+    assert "first_token_ms" not in table["loopspec"]
+
+
 def test_system_suffixes():
     """A system's compilation, lane-kernel and step-tokens suffixes, in any order: the engine's config and
     environment."""
@@ -56,6 +66,9 @@ def test_system_suffixes():
         "loopspec-auto", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {}, 32)
     assert split_system("vanilla-step32") == ("vanilla-step32", None, {}, None)  # not a LoopSpec system
     assert split_system("in-tree") == ("in-tree", None, {}, None)
+    assert split_system("loopspec-tuned-fullgraphs") == (
+        "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512},
+        {"VLLM_LOOP_FULL_MIXED_GRAPHS": "1"}, None)
 
 
 def test_profile_floor_bandwidth_follows_the_gpu():

@@ -226,7 +226,21 @@ def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, ker
     _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False, kernels=kernels)
 
 
-def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool, kernels: str = "default"):
+# vLLM's full CUDA graphs for every step up to 512 tokens, prefills and mixed steps included, without
+# torch.compile (a user's --compilation-config; loopspec_speed.py's SYSTEM-fullgraphs)
+FULL_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}
+
+
+@pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2"])
+def test_loopspec_greedy_identity_full_graphs_asked_for(ckpt_factory, name):
+    """A LoopSpec engine asked for vLLM's full graphs of mixed steps too (``FULL_GRAPHS``) runs decode-only
+    full graphs (``config.mixed_graphs_fallback``: these very tests crashed at start-up with FULL kept,
+    an H100, thirty-ninth run) and is identical to the reference."""
+    _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False, full_graphs=True)
+
+
+def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool, kernels: str = "default",
+                     full_graphs: bool = False):
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs
@@ -236,7 +250,8 @@ def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: b
     with worker_functions():  # collective_rpc(lane_census) below
         llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs, "lane_attention": attention,
                                                           "lane_overlap": overlap},
-                        max_model_len=128, block_size=16, **(COMPILED if compiled else {}))
+                        max_model_len=128, block_size=16,
+                        **(COMPILED if compiled else {"compilation_config": FULL_GRAPHS} if full_graphs else {}))
         try:
             compilation = llm.llm_engine.vllm_config.compilation_config
             assert compilation.mode.name == ("VLLM_COMPILE" if compiled else "NONE")
@@ -257,7 +272,8 @@ def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: b
     overlapped = totals.overlap_wasted + totals.overlap_lagged
     assert (overlapped > 0) if overlap == "auto" else (overlapped == 0), totals
     lane_graphs = f"{captured} captured" if captured >= 0 else "none"  # -1: the runner holds no lane graphs
-    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}, lane kernels {kernels}, lane graphs {graphs} "
+    asked = ", FULL asked for" if full_graphs else ""
+    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}{asked}, lane kernels {kernels}, lane graphs {graphs} "
           f"({lane_graphs}), lane attention {attention}, overlap "
           f"{overlap} ({totals.overlap_wasted} rows wasted, {totals.overlap_lagged} lanes lagged): 16 staggered "
           f"requests identical to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")

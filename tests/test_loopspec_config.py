@@ -230,6 +230,52 @@ def test_fast_start_in_the_front_door(ckpt_factory, monkeypatch):
         _config(path, None, **cpu).compilation_config.mode
 
 
+def test_mixed_step_full_graphs_fall_back():
+    """The user's FULL (full graphs for mixed steps too) becomes what vLLM falls back to for an
+    attention backend without mixed-step graphs: piecewise under torch.compile (vLLM's default mode
+    included), else decode-only; every other mode, and FULL when allowed, is kept."""
+    from vllm.config import CompilationConfig, CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_loop.loopspec.config import mixed_graphs_fallback
+
+    full = CUDAGraphMode.FULL
+    assert mixed_graphs_fallback(CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=full)) == \
+        CUDAGraphMode.FULL_DECODE_ONLY
+    assert mixed_graphs_fallback(CompilationConfig(cudagraph_mode=full)) == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert mixed_graphs_fallback(CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=full)) == \
+        CUDAGraphMode.FULL_AND_PIECEWISE
+    no_compile_full = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=full)
+    assert mixed_graphs_fallback(no_compile_full, allowed=True) is None
+    for mode in (None, CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
+                 CUDAGraphMode.FULL_AND_PIECEWISE):
+        assert mixed_graphs_fallback(CompilationConfig(cudagraph_mode=mode)) is None, mode
+
+
+def test_mixed_step_full_graphs_fall_back_in_the_front_door(ckpt_factory, monkeypatch):
+    """A LoopSpec engine asked for ``{"mode": 0, "cudagraph_mode": "FULL"}`` gets decode-only full graphs
+    (on a copy of the user's config), unless ``VLLM_LOOP_FULL_MIXED_GRAPHS=1``."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_loop import vllm_patches
+    from vllm_loop.loopspec.config import FULL_MIXED_ENV
+
+    path = ckpt_factory("ouro")
+    one_gpu = NS(tensor_parallel_size=1, pipeline_parallel_size=1)
+    modes = {}
+    for allowed in ("0", "1"):
+        monkeypatch.setenv(FULL_MIXED_ENV, allowed)
+        args = EngineArgs(model=path, compilation_config={"mode": 0, "cudagraph_mode": "FULL"})
+        before = args.compilation_config
+        vllm_patches._fast_start(args, one_gpu)
+        assert before.cudagraph_mode == CUDAGraphMode.FULL  # the user's object is not changed
+        modes[allowed] = args.compilation_config.cudagraph_mode
+    assert modes == {"0": CUDAGraphMode.FULL_DECODE_ONLY, "1": CUDAGraphMode.FULL}
+
+
 def test_loopspec_needs_a_looped_model(ckpt_factory):
     with pytest.raises(ValueError, match="needs a looped model .* this model is LlamaForCausalLM, which does not loop"):
         _config(ckpt_factory("llama"), {"method": "loopspec"})

@@ -647,20 +647,28 @@ def install_loopspec_front_door() -> None:
 
 def _fast_start(args, parallel_config) -> None:
     """A LoopSpec engine without torch.compile unless the user asked for it
-    (``loopspec_config.fast_start_compilation`` says why). Set on ``EngineArgs.compilation_config``,
-    which ``create_engine_config`` reads after it built the speculative config."""
+    (``loopspec_config.fast_start_compilation`` says why), and with vLLM's full graphs for decode steps
+    only (``loopspec_config.mixed_graphs_fallback``). Set on ``EngineArgs.compilation_config``, which
+    ``create_engine_config`` reads after it built the speculative config."""
     import copy
 
     from vllm.config.vllm import OptimizationLevel
     from vllm.platforms import current_platform
 
-    from vllm_loop.loopspec.config import fast_start_compilation
+    from vllm_loop.loopspec.config import FULL_MIXED_ENV, fast_start_compilation, mixed_graphs_fallback
 
     fields = fast_start_compilation(
         args.compilation_config, enforce_eager=bool(args.enforce_eager),
         optimization_level_set=args.optimization_level != OptimizationLevel.O2, cuda=current_platform.is_cuda(),
         gpus=parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size)
     if fields is None:
+        fallback = mixed_graphs_fallback(args.compilation_config, allowed=os.environ.get(FULL_MIXED_ENV) == "1")
+        if fallback is not None:
+            args.compilation_config = copy.deepcopy(args.compilation_config)
+            args.compilation_config.cudagraph_mode = fallback
+            logger.warning("LoopSpec: compilation_config.cudagraph_mode FULL (full graphs for mixed steps) is not "
+                           "supported with LoopSpec yet; using %s (decode steps keep full graphs; "
+                           "loopspec/config.py: mixed_graphs_fallback says why)", fallback.name)
         return
     args.compilation_config = copy.deepcopy(args.compilation_config)  # not a shared default's
     for name, value in fields.items():

@@ -36,7 +36,7 @@ request waits to join, see ``runner.py``; 0: the chain alone; at most 256). Both
 the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 
 Compilation: a LoopSpec engine on one CUDA GPU skips ``torch.compile`` unless the user sets it
-(``fast_start_compilation``).
+(``fast_start_compilation``), and keeps vLLM's full CUDA graphs to decode steps (``mixed_graphs_fallback``).
 """
 
 from __future__ import annotations
@@ -195,6 +195,33 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     from vllm.config.compilation import CUDAGraphMode
 
     return {"mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY}
+
+
+# Opt-in, for measuring only: a LoopSpec engine keeps ``cudagraph_mode`` FULL (``mixed_graphs_fallback``).
+FULL_MIXED_ENV = "VLLM_LOOP_FULL_MIXED_GRAPHS"
+
+
+def mixed_graphs_fallback(compilation, *, allowed: bool = False):
+    """The ``cudagraph_mode`` a LoopSpec engine runs instead of the user's FULL (one full graph of
+    vLLM's forward for every step, prefills and mixed steps included), or None to keep the user's.
+
+    Why: on an H100 such an engine crashed at start-up (an illegal memory access while vLLM captured
+    its largest mixed-step graph) in all four cases measured where the largest capture size exceeded
+    ``max_model_len``, and started in the five where it did not; vanilla engines started at those settings
+    (benchmarks/full_graphs_probe.py). Not found yet: why LoopSpec's engine alone (vLLM's mixed-step
+    capture gives every dummy request a context as long as the whole capture, past its block-table
+    row: a likely start). And LoopSpec's greedy identity has not been checked under mixed-step graphs
+    (benchmarks/RESULTS.md, thirty-ninth run). So mixed steps fall back as vLLM falls them back for an
+    attention backend without mixed-step graphs: to piecewise graphs under torch.compile, else to none
+    (decode steps keep their full graphs). ``allowed`` (``VLLM_LOOP_FULL_MIXED_GRAPHS=1``): keep FULL,
+    to measure it."""
+    from vllm.config import CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+
+    if allowed or compilation.cudagraph_mode != CUDAGraphMode.FULL:
+        return None
+    compiled = compilation.mode in (None, CompilationMode.VLLM_COMPILE)  # None: vLLM's default, compiled
+    return CUDAGraphMode.FULL_AND_PIECEWISE if compiled else CUDAGraphMode.FULL_DECODE_ONLY
 
 
 def knobs(vllm_config) -> dict | None:

@@ -1,0 +1,91 @@
+"""Which engines start, and generate, with vLLM's full CUDA graphs for mixed steps (``cudagraph_mode``
+FULL: prefills included), without torch.compile: one engine a case, each in its own process (an
+illegal memory access takes its process down).
+
+The cases are tiny factory checkpoints (vanilla and LoopSpec; fp32 with Triton attention, as the GPU
+identity tests run, and bf16 with vLLM's default attention) at ``max_model_len`` 128 or 1024 and a
+largest capture size of 512 or 64 tokens. A LoopSpec engine keeps FULL here only because the probe
+sets ``VLLM_LOOP_FULL_MIXED_GRAPHS=1``: by default it falls back to decode-only full graphs
+(``vllm_loop/loopspec/config.py: mixed_graphs_fallback``, which this probe's results are the reason
+for). GPU only.
+
+    python benchmarks/full_graphs_probe.py --out full-graphs-probe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HUGINN = ("huginn_raven", {"layout": "huginn", "state_init": "seeded", "agreement": "0.5"}, {"mean_recurrence": 32})
+OURO = ("ouro", {"agreement": "0.005"}, {})
+LOOPSPEC_1_5 = {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 5}
+CASES = {  # name -> (checkpoint, speculative config or None, dtype, largest capture size, max_model_len)
+    "vanilla-huginn-fp32": (HUGINN, None, "float32", 512, 128),
+    "loopspec-huginn-fp32": (HUGINN, LOOPSPEC_1_5, "float32", 512, 128),
+    "loopspec-huginn-fp32-cap64": (HUGINN, LOOPSPEC_1_5, "float32", 64, 128),
+    "loopspec-huginn-fp32-len1024": (HUGINN, LOOPSPEC_1_5, "float32", 512, 1024),
+    "loopspec-huginn-bf16": (HUGINN, LOOPSPEC_1_5, "bfloat16", 512, 128),
+    "vanilla-ouro-fp32": (OURO, None, "float32", 512, 128),
+}
+
+
+def case(name: str, folder: Path) -> dict:
+    """Start the case's engine, generate 20 tokens for three prompts (3, 17, 40 tokens), stop."""
+    from vllm import SamplingParams
+
+    from vllm_loop.loopspec.config import FULL_MIXED_ENV
+    from vllm_loop.testing.checkpoints import make_checkpoint
+    from vllm_loop.testing.engines import start_llm
+
+    (family, options, overrides), spec, dtype, capture, max_model_len = CASES[name]
+    os.environ[FULL_MIXED_ENV] = "1"  # what is probed: FULL itself, not the LoopSpec fallback
+    path = make_checkpoint(family, folder / name, seed=0, options=options, **overrides)
+    kw = dict(dtype=dtype, max_model_len=max_model_len, block_size=16,
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": capture})
+    if spec:
+        kw["speculative_config"] = spec
+    t = time.time()
+    llm = start_llm(str(path), **kw)
+    mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
+    outs = llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)],
+                        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    return {"case": name, "started": True, "cudagraph_mode": mode, "start_s": round(time.time() - t, 1),
+            "tokens": [len(o.outputs[0].token_ids) for o in outs]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    ap.add_argument("--out", required=True, help="JSON lines, one a case; each case's log beside it")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", default="/tmp/full-graphs-probe", help="where the checkpoints are made")
+    args = ap.parse_args()
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if args.case:
+        print("RESULT " + json.dumps(case(args.case, folder)), flush=True)
+        return 0
+    out = Path(args.out)
+    with open(out, "w") as results:
+        for name in args.cases:
+            log = out.with_suffix(f".{name}.log")
+            with open(log, "w") as err:
+                cmd = [sys.executable, __file__, "--case", name, "--folder", str(folder), "--out", str(out)]
+                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            row = json.loads(line[len("RESULT "):]) if line else {
+                "case": name, "started": False, "exit": p.returncode,
+                "error": next((x.strip() for x in log.read_text().splitlines() if "Error" in x), "")[:300]}
+            results.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
