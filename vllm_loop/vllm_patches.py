@@ -661,21 +661,21 @@ def _fast_start(args, parallel_config) -> None:
         args.compilation_config, enforce_eager=bool(args.enforce_eager),
         optimization_level_set=args.optimization_level != OptimizationLevel.O2, cuda=current_platform.is_cuda(),
         gpus=parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size)
-    if fields is None:
+    if fields is not None:
+        logger.info("LoopSpec: vLLM's forward runs without torch.compile (its full decode CUDA graphs kept; lane "
+                    "steps replay the plugin's own graphs): a start without Dynamo / Inductor. To compile it "
+                    "anyway: --compilation-config '{\"mode\": 3}'")
+    else:
         fallback = mixed_graphs_fallback(args.compilation_config, allowed=os.environ.get(FULL_MIXED_ENV) == "1")
-        if fallback is not None:
-            args.compilation_config = copy.deepcopy(args.compilation_config)
-            args.compilation_config.cudagraph_mode = fallback
-            logger.warning("LoopSpec: compilation_config.cudagraph_mode FULL (full graphs for mixed steps) is not "
-                           "supported with LoopSpec yet; using %s (decode steps keep full graphs; "
-                           "loopspec/config.py: mixed_graphs_fallback says why)", fallback.name)
-        return
-    args.compilation_config = copy.deepcopy(args.compilation_config)  # not a shared default's
+        if fallback is None:
+            return
+        fields = {"cudagraph_mode": fallback}
+        logger.warning("LoopSpec: compilation_config.cudagraph_mode FULL (full graphs for mixed steps) is not "
+                       "supported with LoopSpec yet; using %s (decode steps keep full graphs; "
+                       "loopspec/config.py: mixed_graphs_fallback says why)", fallback.name)
+    args.compilation_config = copy.deepcopy(args.compilation_config)  # the user's / a shared default's stays
     for name, value in fields.items():
         setattr(args.compilation_config, name, value)
-    logger.info("LoopSpec: vLLM's forward runs without torch.compile (its full decode CUDA graphs kept; lane "
-                "steps replay the plugin's own graphs): a start without Dynamo / Inductor. To compile it "
-                "anyway: --compilation-config '{\"mode\": 3}'")
 
 
 def async_blocker(vllm_config) -> str | None:
