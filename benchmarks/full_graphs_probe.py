@@ -4,10 +4,9 @@ illegal memory access takes its process down).
 
 The cases are tiny factory checkpoints (vanilla and LoopSpec; fp32 with Triton attention, as the GPU
 identity tests run, and bf16 with vLLM's default attention) at ``max_model_len`` 128 or 1024 and a
-largest capture size of 512 or 64 tokens. A LoopSpec engine keeps FULL here only because the probe
-sets ``VLLM_LOOP_FULL_MIXED_GRAPHS=1``: by default it falls back to decode-only full graphs
-(``vllm_loop/loopspec/config.py: mixed_graphs_fallback``, which this probe's results are the reason
-for). GPU only.
+largest capture size of 512 or 64 tokens asked for. Its first form (thirty-ninth run, an H100)
+found LoopSpec engines crashing at start-up wherever the capture exceeded ``max_model_len``; a LoopSpec
+engine now caps its graphs at ``max_model_len`` (``loopspec/config.py: graph_capture_sizes``). GPU only.
 
     python benchmarks/full_graphs_probe.py --out full-graphs-probe.jsonl
 """
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -39,12 +37,10 @@ def case(name: str, folder: Path) -> dict:
     """Start the case's engine, generate 20 tokens for three prompts (3, 17, 40 tokens), stop."""
     from vllm import SamplingParams
 
-    from vllm_loop.loopspec.config import FULL_MIXED_ENV
     from vllm_loop.testing.checkpoints import make_checkpoint
     from vllm_loop.testing.engines import start_llm
 
     (family, options, overrides), spec, dtype, capture, max_model_len = CASES[name]
-    os.environ[FULL_MIXED_ENV] = "1"  # what is probed: FULL itself, not the LoopSpec fallback
     path = make_checkpoint(family, folder / name, seed=0, options=options, **overrides)
     kw = dict(dtype=dtype, max_model_len=max_model_len, block_size=16,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": capture})

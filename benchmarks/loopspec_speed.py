@@ -60,8 +60,8 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``SYSTEM-fullgraphs`` -- no ``torch.compile`` and vLLM's full CUDA graphs for every step of up to 512
   tokens, prefills and mixed steps included (``{"mode": 0, "cudagraph_mode": "FULL",
   "max_cudagraph_capture_size": 512}``; vLLM falls back to decode-only graphs where the attention
-  backend cannot replay mixed steps). For measuring only: a LoopSpec engine runs it only with
-  ``VLLM_LOOP_FULL_MIXED_GRAPHS=1``, which this suffix sets (``config.mixed_graphs_fallback`` says why).
+  backend cannot replay mixed steps). A LoopSpec engine keeps its decode graphs apart from the mixed
+  ones (``vllm_patches.install_loopspec_decode_graphs``).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
 ``--top-k``), ``ignore_eos``; the decode rate is c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and
@@ -127,8 +127,6 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3},
                "-fullgraphs": {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}}
-# ... and the environment one needs: a LoopSpec engine keeps FULL only when told (config.mixed_graphs_fallback)
-COMPILATION_ENV = {"-fullgraphs": {"VLLM_LOOP_FULL_MIXED_GRAPHS": "1"}}
 # suffixes to a LoopSpec system (any order, split_system): the environment of its lane kernels (the docstring)
 LANE_KERNELS = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
                 "-pdl": ("VLLM_LOOP_PDL", "1")}
@@ -145,7 +143,6 @@ def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | N
             system, env[key] = system.removesuffix(suffix), value
         elif suffix := next((x for x in COMPILATION if system.endswith(x)), None):
             system, compilation = system.removesuffix(suffix), COMPILATION[suffix]
-            env |= COMPILATION_ENV.get(suffix, {})
         elif match := re.fullmatch(r"(loopspec.*)-step(\d+)", system):
             system, step_tokens = match[1], int(match[2])
         else:

@@ -67,8 +67,7 @@ def test_system_suffixes():
     assert split_system("vanilla-step32") == ("vanilla-step32", None, {}, None)  # not a LoopSpec system
     assert split_system("in-tree") == ("in-tree", None, {}, None)
     assert split_system("loopspec-tuned-fullgraphs") == (
-        "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512},
-        {"VLLM_LOOP_FULL_MIXED_GRAPHS": "1"}, None)
+        "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}, {}, None)
 
 
 def test_profile_floor_bandwidth_follows_the_gpu():

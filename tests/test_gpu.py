@@ -32,8 +32,9 @@ def test_plugin_smoke_on_gpu(ckpt_factory):
 
 
 # vLLM's forward compiled (a vanilla engine's default, asked for by name: a LoopSpec engine skips it by
-# default, config.fast_start_compilation) or not (a LoopSpec engine's default on one GPU: eager, full
-# decode graphs, the sandwich seams as this plugin's Triton kernels instead of Inductor's fusions)
+# default, config.fast_start_compilation) or not (eager, full decode graphs, the sandwich seams as this
+# plugin's Triton kernels instead of Inductor's fusions; a LoopSpec engine's default on one GPU until
+# 2026-12-06, when it took full graphs for mixed steps too)
 COMPILATION = {"compiled": {"compilation_config": {"mode": 3}},
                "nocompile": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}
 COMPILED = COMPILATION["compiled"]
@@ -217,8 +218,9 @@ LANE_KERNELS = {"default": {}, "triton-gemm-pdl": {"VLLM_LOOP_LANE_GEMM": "trito
 @pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2", "ouro-agree-1:2-step32"])
 def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels):
     """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
-    FULL_DECODE_ONLY: no Dynamo / Inductor at start-up; vLLM's forward eager with its full decode
-    graphs, the lane graphs as always): identical to the reference; also with the lanes' projections
+    FULL: no Dynamo / Inductor at start-up; vLLM's forward replayed from its full graphs, prefills and
+    lane-verifying steps from mixed-step graphs capped at ``max_model_len``, 1-token decode steps from
+    their own; the lane graphs as always): identical to the reference; also with the lanes' projections
     on the Triton GEMM and every Triton kernel launched with PDL (the engine-core process inherits
     the environment); and with 32 drafts a step (``step32``: longer lane steps)."""
     for key, value in LANE_KERNELS[kernels].items():
@@ -226,21 +228,30 @@ def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, ker
     _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False, kernels=kernels)
 
 
-# vLLM's full CUDA graphs for every step up to 512 tokens, prefills and mixed steps included, without
-# torch.compile (a user's --compilation-config; loopspec_speed.py's SYSTEM-fullgraphs)
-FULL_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}
+def _count_graph_dispatches(worker) -> None:
+    """Count, from now on, what vLLM's dispatcher picks for each step of its forward."""
+    d = worker.model_runner.cudagraph_dispatcher
+    dispatch, d.test_counts = d.dispatch, {}
+
+    def counted(*args, **kwargs):
+        mode, desc = dispatch(*args, **kwargs)
+        key = f"{mode.name}-{'decode' if desc.uniform else 'mixed'}"
+        d.test_counts[key] = d.test_counts.get(key, 0) + 1
+        return mode, desc
+
+    d.dispatch = counted
 
 
-@pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2"])
-def test_loopspec_greedy_identity_full_graphs_asked_for(ckpt_factory, name):
-    """A LoopSpec engine asked for vLLM's full graphs of mixed steps too (``FULL_GRAPHS``) runs decode-only
-    full graphs (``config.mixed_graphs_fallback``: these very tests crashed at start-up with FULL kept,
-    an H100, thirty-ninth run) and is identical to the reference."""
-    _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False, full_graphs=True)
+def _graph_dispatches(worker) -> dict:
+    from vllm.config.compilation import CUDAGraphMode
+
+    d = worker.model_runner.cudagraph_dispatcher
+    keys = d.cudagraph_keys[CUDAGraphMode.FULL]
+    return {"counts": dict(d.test_counts), "decode_keys": sum(k.uniform for k in keys),
+            "mixed_keys": sum(not k.uniform for k in keys), "largest": d.compilation_config.max_cudagraph_capture_size}
 
 
-def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool, kernels: str = "default",
-                     full_graphs: bool = False):
+def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool, kernels: str = "default"):
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs
@@ -251,12 +262,15 @@ def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: b
         llm = start_llm(path, speculative_config=spec | {"lane_graphs": graphs, "lane_attention": attention,
                                                           "lane_overlap": overlap},
                         max_model_len=128, block_size=16,
-                        **(COMPILED if compiled else {"compilation_config": FULL_GRAPHS} if full_graphs else {}))
+                        **(COMPILED if compiled else {}))
         try:
             compilation = llm.llm_engine.vllm_config.compilation_config
             assert compilation.mode.name == ("VLLM_COMPILE" if compiled else "NONE")
-            assert compilation.cudagraph_mode.name == ("FULL_AND_PIECEWISE" if compiled else "FULL_DECODE_ONLY")
+            assert compilation.cudagraph_mode.name == ("FULL_AND_PIECEWISE" if compiled else "FULL")
+            if not compiled:
+                llm.collective_rpc(_count_graph_dispatches)
             got = run_jobs(llm, greedy_jobs())
+            graphs_used = None if compiled else llm.collective_rpc(_graph_dispatches)[0]
             census = llm.collective_rpc(lane_census)[0]
             captured = llm.collective_rpc(_captured_lane_graphs)[0]
         finally:
@@ -272,7 +286,10 @@ def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: b
     overlapped = totals.overlap_wasted + totals.overlap_lagged
     assert (overlapped > 0) if overlap == "auto" else (overlapped == 0), totals
     lane_graphs = f"{captured} captured" if captured >= 0 else "none"  # -1: the runner holds no lane graphs
-    asked = ", FULL asked for" if full_graphs else ""
+    if not compiled:  # capped at max_model_len; prefills ran in graphs
+        assert graphs_used["largest"] == 128 and graphs_used["decode_keys"] > 0, graphs_used
+        assert graphs_used["counts"].get("FULL-mixed", 0) > 0, graphs_used
+    asked = f", vLLM's graphs {graphs_used}" if graphs_used else ""
     print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}{asked}, lane kernels {kernels}, lane graphs {graphs} "
           f"({lane_graphs}), lane attention {attention}, overlap "
           f"{overlap} ({totals.overlap_wasted} rows wasted, {totals.overlap_lagged} lanes lagged): 16 staggered "

@@ -181,7 +181,7 @@ def test_loopspec_leaves_custom_ops_to_vllm_and_the_user(ckpt_factory, chosen):
 
 
 def test_fast_start_compilation_only_where_the_user_chose_nothing():
-    """On one CUDA GPU a LoopSpec engine skips torch.compile (full decode graphs kept); any choice of
+    """On one CUDA GPU a LoopSpec engine skips torch.compile (vLLM's full graphs kept, for every step); any choice of
     the user's (compile mode, graph mode, -O, --enforce-eager), another device or more GPUs keep vLLM's."""
     from vllm.config import CompilationConfig, CompilationMode
     from vllm.config.compilation import CUDAGraphMode
@@ -190,7 +190,7 @@ def test_fast_start_compilation_only_where_the_user_chose_nothing():
 
     on = dict(enforce_eager=False, optimization_level_set=False, cuda=True, gpus=1)
     assert fast_start_compilation(CompilationConfig(), **on) == {
-        "mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY}
+        "mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL}
     assert fast_start_compilation(CompilationConfig(custom_ops=["+rms_norm"]), **on) is not None
     assert fast_start_compilation(CompilationConfig(mode=CompilationMode.VLLM_COMPILE), **on) is None
     assert fast_start_compilation(CompilationConfig(cudagraph_mode=CUDAGraphMode.PIECEWISE), **on) is None
@@ -221,7 +221,7 @@ def test_fast_start_in_the_front_door(ckpt_factory, monkeypatch):
         compiled = EngineArgs(model=path, compilation_config={"mode": 3})
         vllm_patches._fast_start(compiled, one_gpu)
     assert args.compilation_config.mode == CompilationMode.NONE
-    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.FULL
     assert before.mode is None and before.cudagraph_mode is None
     assert compiled.compilation_config.mode == CompilationMode.VLLM_COMPILE
     assert compiled.compilation_config.cudagraph_mode is None
@@ -230,50 +230,74 @@ def test_fast_start_in_the_front_door(ckpt_factory, monkeypatch):
         _config(path, None, **cpu).compilation_config.mode
 
 
-def test_mixed_step_full_graphs_fall_back():
-    """The user's FULL (full graphs for mixed steps too) becomes what vLLM falls back to for an
-    attention backend without mixed-step graphs: piecewise under torch.compile (vLLM's default mode
-    included), else decode-only; every other mode, and FULL when allowed, is kept."""
-    from vllm.config import CompilationConfig, CompilationMode
+def test_graph_capture_sizes():
+    """Decode-only graphs: a vanilla engine's largest graph unless the user set sizes. Mixed-step
+    graphs (FULL): vLLM's 512 unless set, and never one longer than ``max_model_len``."""
+    from vllm_loop.loopspec.config import graph_capture_sizes
+
+    decode = dict(mixed=False, max_num_seqs=8, max_model_len=128)
+    assert graph_capture_sizes(None, None, **decode) == (None, 16)
+    assert graph_capture_sizes(None, None, **(decode | {"max_num_seqs": 1024})) == (None, 512)
+    assert graph_capture_sizes([1, 2, 300], None, **decode) == ([1, 2, 300], None)  # the user's, untouched
+    assert graph_capture_sizes(None, 64, **decode) == (None, 64)
+    mixed = dict(mixed=True, max_num_seqs=8, max_model_len=128)
+    assert graph_capture_sizes(None, None, **mixed) == (None, 128)
+    assert graph_capture_sizes(None, None, **(mixed | {"max_model_len": 4096})) == (None, 512)
+    assert graph_capture_sizes(None, 512, **mixed) == (None, 128)
+    assert graph_capture_sizes(None, 64, **mixed) == (None, 64)
+    assert graph_capture_sizes([1, 8, 128, 256], None, **mixed) == ([1, 8, 128], None)
+    assert graph_capture_sizes([1, 8, 128, 256], 256, **mixed) == ([1, 8, 128], 128)
+    assert graph_capture_sizes([256, 512], None, **mixed) == ([128], None)
+
+
+def test_full_graphs_keep_decode_graphs_apart():
+    """Under ``cudagraph_mode`` FULL a LoopSpec engine's dispatcher also holds FULL_DECODE_ONLY's keys and
+    sends 1-token decode steps to them; mixed steps keep vLLM's mixed-step graphs; a dispatcher without
+    the decode keys (a vanilla engine's) dispatches as vLLM does."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    from vllm_loop.loopspec.config import mixed_graphs_fallback
+    from vllm_loop.vllm_patches import add_decode_graph_keys
 
-    full = CUDAGraphMode.FULL
-    assert mixed_graphs_fallback(CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=full)) == \
-        CUDAGraphMode.FULL_DECODE_ONLY
-    assert mixed_graphs_fallback(CompilationConfig(cudagraph_mode=full)) == CUDAGraphMode.FULL_AND_PIECEWISE
-    assert mixed_graphs_fallback(CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=full)) == \
-        CUDAGraphMode.FULL_AND_PIECEWISE
-    no_compile_full = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=full)
-    assert mixed_graphs_fallback(no_compile_full, allowed=True) is None
-    for mode in (None, CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
-                 CUDAGraphMode.FULL_AND_PIECEWISE):
-        assert mixed_graphs_fallback(CompilationConfig(cudagraph_mode=mode)) is None, mode
+    def dispatcher():
+        cc = CompilationConfig(mode=0, cudagraph_mode="FULL", cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+                               max_cudagraph_capture_size=16)
+        d = CudagraphDispatcher(NS(compilation_config=cc, num_speculative_tokens=16, lora_config=None,
+                                   scheduler_config=NS(max_num_seqs=8)))
+        d.uniform_decode_query_len = 1  # a LoopSpec runner's (install_loopspec_decode_graphs)
+        d.initialize_cudagraph_keys(CUDAGraphMode.FULL, 1)
+        return d
+
+    vanilla, ours = dispatcher(), dispatcher()
+    add_decode_graph_keys(ours)
+    full = ours.cudagraph_keys[CUDAGraphMode.FULL]
+    assert sorted(k.num_tokens for k in full if k.uniform) == [1, 2, 4, 8]  # up to max_num_seqs
+    assert sorted(k.num_tokens for k in full if not k.uniform) == [1, 2, 4, 8, 16]
+    for d, uniform in ((ours, True), (vanilla, False)):
+        mode, desc = d.dispatch(5, uniform_decode=True)
+        assert (mode, desc.num_tokens, desc.num_reqs, desc.uniform) == (CUDAGraphMode.FULL, 8, 8, uniform)
+        mode, desc = d.dispatch(5, uniform_decode=False)
+        assert (mode, desc.num_tokens, desc.uniform) == (CUDAGraphMode.FULL, 8, False)
+        assert d.dispatch(17, uniform_decode=False)[0] == CUDAGraphMode.NONE  # past the largest graph
+    assert ours.dispatch(5, uniform_decode=True, invalid_modes={CUDAGraphMode.FULL})[0] == CUDAGraphMode.NONE
 
 
-def test_mixed_step_full_graphs_fall_back_in_the_front_door(ckpt_factory, monkeypatch):
-    """A LoopSpec engine asked for ``{"mode": 0, "cudagraph_mode": "FULL"}`` gets decode-only full graphs
-    (on a copy of the user's config), unless ``VLLM_LOOP_FULL_MIXED_GRAPHS=1``."""
+def test_full_graphs_asked_for_are_kept(ckpt_factory):
+    """A LoopSpec engine asked for ``{"mode": 0, "cudagraph_mode": "FULL"}`` keeps it (the user's config
+    is not rewritten; before 2026-12-06 it fell back to decode-only graphs)."""
     from types import SimpleNamespace as NS
 
     from vllm.config.compilation import CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_loop import vllm_patches
-    from vllm_loop.loopspec.config import FULL_MIXED_ENV
 
-    path = ckpt_factory("ouro")
-    one_gpu = NS(tensor_parallel_size=1, pipeline_parallel_size=1)
-    modes = {}
-    for allowed in ("0", "1"):
-        monkeypatch.setenv(FULL_MIXED_ENV, allowed)
-        args = EngineArgs(model=path, compilation_config={"mode": 0, "cudagraph_mode": "FULL"})
-        before = args.compilation_config
-        vllm_patches._fast_start(args, one_gpu)
-        assert before.cudagraph_mode == CUDAGraphMode.FULL  # the user's object is not changed
-        modes[allowed] = args.compilation_config.cudagraph_mode
-    assert modes == {"0": CUDAGraphMode.FULL_DECODE_ONLY, "1": CUDAGraphMode.FULL}
+    args = EngineArgs(model=ckpt_factory("ouro"), compilation_config={"mode": 0, "cudagraph_mode": "FULL"})
+    vllm_patches._fast_start(args, NS(tensor_parallel_size=1, pipeline_parallel_size=1))
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.FULL
 
 
 def test_loopspec_needs_a_looped_model(ckpt_factory):
@@ -331,7 +355,7 @@ def test_vllm_serve_refuses_a_bad_loopspec_config(ckpt_factory, tmp_path):
     assert "d2=4 is invalid: d2 must be < R (R=4)" in proc.stdout + proc.stderr
 
 
-def _graph_sizes(loopspec: bool, **compilation) -> tuple[int, int]:
+def _graph_sizes(loopspec: bool, max_model_len: int = 4096, **compilation) -> tuple[int, int]:
     """vLLM's CUDA graph sizes (largest, how many) for a GPU engine of 128 sequences with 16 drafts a
     request, from ``VllmConfig._set_cudagraph_sizes`` as the plugin leaves it (no GPU here: the sizes
     are computed on a config whose other fields are stand-ins)."""
@@ -344,8 +368,8 @@ def _graph_sizes(loopspec: bool, **compilation) -> tuple[int, int]:
 
     plugin.register()
     cfg = object.__new__(VllmConfig)
-    fields = dict(model_config=NS(enforce_eager=False),
-                  compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, **compilation),
+    fields = dict(model_config=NS(enforce_eager=False, max_model_len=max_model_len),
+                  compilation_config=CompilationConfig(**({"cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE} | compilation)),
                   scheduler_config=NS(max_num_seqs=128, max_num_batched_tokens=16384),
                   parallel_config=NS(tensor_parallel_size=1), speculative_config=NS(num_speculative_tokens=16),
                   diffusion_config=None, additional_config={"loopspec": {"R": 4}} if loopspec else {})
@@ -356,10 +380,14 @@ def _graph_sizes(loopspec: bool, **compilation) -> tuple[int, int]:
 
 
 def test_loopspec_graph_sizes_are_a_vanilla_engines():
-    """A LoopSpec engine's plain steps have one token a request: its graphs go to 2 x max_num_seqs as a
-    vanilla engine's (35 sizes to 256), not to vLLM's draft-model size (51 to 512); the user's own
-    sizes win; other speculative engines keep vLLM's."""
+    """A LoopSpec engine's plain steps have one token a request: its decode graphs go to 2 x max_num_seqs as a
+    vanilla engine's (35 sizes to 256), not to vLLM's draft-model size (51 to 512); with full graphs
+    for mixed steps too (FULL, a LoopSpec engine's default on one GPU) prefills run in them: vLLM's
+    512, none longer than ``max_model_len``; the user's own sizes win; other speculative engines keep vLLM's."""
     assert _graph_sizes(True) == (256, 35)
     assert _graph_sizes(False) == (512, 51)
     assert _graph_sizes(True, max_cudagraph_capture_size=64) == (64, 11)
+    assert _graph_sizes(True, cudagraph_mode="FULL") == (512, 51)
+    assert _graph_sizes(True, 128, cudagraph_mode="FULL") == (128, 19)
+    assert _graph_sizes(False, 128, cudagraph_mode="FULL") == (512, 51)  # vLLM's, past max_model_len
     assert _graph_sizes(True, cudagraph_capture_sizes=[1, 2, 400]) == (400, 3)

@@ -647,32 +647,24 @@ def install_loopspec_front_door() -> None:
 
 def _fast_start(args, parallel_config) -> None:
     """A LoopSpec engine without torch.compile unless the user asked for it
-    (``loopspec_config.fast_start_compilation`` says why), and with vLLM's full graphs for decode steps
-    only (``loopspec_config.mixed_graphs_fallback``). Set on ``EngineArgs.compilation_config``, which
+    (``loopspec_config.fast_start_compilation`` says why). Set on ``EngineArgs.compilation_config``, which
     ``create_engine_config`` reads after it built the speculative config."""
     import copy
 
     from vllm.config.vllm import OptimizationLevel
     from vllm.platforms import current_platform
 
-    from vllm_loop.loopspec.config import FULL_MIXED_ENV, fast_start_compilation, mixed_graphs_fallback
+    from vllm_loop.loopspec.config import fast_start_compilation
 
     fields = fast_start_compilation(
         args.compilation_config, enforce_eager=bool(args.enforce_eager),
         optimization_level_set=args.optimization_level != OptimizationLevel.O2, cuda=current_platform.is_cuda(),
         gpus=parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size)
-    if fields is not None:
-        logger.info("LoopSpec: vLLM's forward runs without torch.compile (its full decode CUDA graphs kept; lane "
-                    "steps replay the plugin's own graphs): a start without Dynamo / Inductor. To compile it "
-                    "anyway: --compilation-config '{\"mode\": 3}'")
-    else:
-        fallback = mixed_graphs_fallback(args.compilation_config, allowed=os.environ.get(FULL_MIXED_ENV) == "1")
-        if fallback is None:
-            return
-        fields = {"cudagraph_mode": fallback}
-        logger.warning("LoopSpec: compilation_config.cudagraph_mode FULL (full graphs for mixed steps) is not "
-                       "supported with LoopSpec yet; using %s (decode steps keep full graphs; "
-                       "loopspec/config.py: mixed_graphs_fallback says why)", fallback.name)
+    if fields is None:
+        return
+    logger.info("LoopSpec: vLLM's forward runs without torch.compile, replayed from its full CUDA graphs (prefills "
+                "too; lane steps replay the plugin's own graphs): a start without Dynamo / Inductor. To compile "
+                "it anyway: --compilation-config '{\"mode\": 3}'")
     args.compilation_config = copy.deepcopy(args.compilation_config)  # the user's / a shared default's stays
     for name, value in fields.items():
         setattr(args.compilation_config, name, value)
@@ -901,37 +893,73 @@ def install_loopspec_decode_graphs() -> None:
     (attention outside the graph, once per bank), which made a plain step cost ~2x a vanilla
     engine's on the H200 (benchmarks/RESULTS.md). So a LoopSpec runner declares 1-token decode
     uniform before vLLM builds its graph keys and capture sizes (``_check_and_update_cudagraph_mode``
-    of vLLM 0.26's ``GPUModelRunner``, and the runner's ``CudagraphDispatcher``).
+    of vLLM 0.26's ``GPUModelRunner``, and the runner's ``CudagraphDispatcher``); its graph sizes are
+    ``loopspec_config.graph_capture_sizes``'s (``VllmConfig._set_cudagraph_sizes``).
 
-    For the same reason the graph sizes are a vanilla engine's: vLLM sizes its largest graph for
-    draft-model steps, ``min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512)`` (512 for
-    LoopSpec at any batch, as its drafts are 16+), where a LoopSpec engine's plain steps have one
-    token a request. Without the user's own ``cudagraph_capture_sizes`` / ``max_cudagraph_capture_size``,
-    a LoopSpec engine gets ``min(max_num_seqs x 2, 512)`` (``VllmConfig._set_cudagraph_sizes``): at
-    128 sequences 35 piecewise graphs instead of 51, the same 19 full decode graphs, and 6-7 s less
-    start-up on the H200 (benchmarks/RESULTS.md, eighteenth run)."""
+    Under ``cudagraph_mode`` FULL (full graphs for mixed steps too: prefills graphed), vLLM keys every
+    graph as a mixed step, so a plain decode step replays a graph captured for a prefill of as many
+    tokens: 14 % slower plain steps at 128 requests (an H100, thirty-ninth run). A LoopSpec engine
+    also captures the decode graphs FULL_DECODE_ONLY would (``add_decode_graph_keys``) and sends 1-token
+    decode steps to them (``CudagraphDispatcher.dispatch``), as FULL_AND_PIECEWISE does with its
+    piecewise half; vLLM 0.26 has no mode for full graphs on both sides."""
+    from dataclasses import replace
+
     from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_loop.loopspec.config import knobs
+    from vllm_loop.loopspec.config import graph_capture_sizes, knobs
 
     original = GPUModelRunner._check_and_update_cudagraph_mode
     if getattr(original, "_vllm_loop", False):
         return
-    set_sizes = VllmConfig._set_cudagraph_sizes
+    set_sizes, dispatch = VllmConfig._set_cudagraph_sizes, CudagraphDispatcher.dispatch
 
     def set_cudagraph_sizes(self):
         cc = self.compilation_config
-        if knobs(self) is not None and cc.cudagraph_capture_sizes is None and cc.max_cudagraph_capture_size is None:
-            cc.max_cudagraph_capture_size = min(self.scheduler_config.max_num_seqs * 2, 512)  # vLLM's cap, 512
+        if knobs(self) is not None:
+            cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = graph_capture_sizes(
+                cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, mixed=cc.cudagraph_mode == CUDAGraphMode.FULL,
+                max_num_seqs=self.scheduler_config.max_num_seqs, max_model_len=self.model_config.max_model_len)
         return set_sizes(self)
 
     def check_and_update_cudagraph_mode(self, *args, **kwargs):
-        if _loopspec_runner(self) is not None:
+        lanes = _loopspec_runner(self) is not None
+        if lanes:
             self.uniform_decode_query_len = 1
             self.cudagraph_dispatcher.uniform_decode_query_len = 1
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        if lanes and self.cudagraph_dispatcher.cudagraph_mode == CUDAGraphMode.FULL:
+            add_decode_graph_keys(self.cudagraph_dispatcher)
+        return out
 
-    check_and_update_cudagraph_mode._vllm_loop = set_cudagraph_sizes._vllm_loop = True
+    def dispatch_decode_apart(self, num_tokens, uniform_decode=False, *args, **kwargs):
+        mode, desc = dispatch(self, num_tokens, uniform_decode, *args, **kwargs)
+        if mode == CUDAGraphMode.FULL and uniform_decode and getattr(self, "loopspec_decode_keys", False):
+            decode = replace(desc, uniform=True)  # at 1 token a request, num_reqs is the mixed key's
+            if decode in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                desc = decode
+        return mode, desc
+
+    for hook in (check_and_update_cudagraph_mode, set_cudagraph_sizes, dispatch_decode_apart):
+        hook._vllm_loop = True
     GPUModelRunner._check_and_update_cudagraph_mode = check_and_update_cudagraph_mode
     VllmConfig._set_cudagraph_sizes = set_cudagraph_sizes
+    CudagraphDispatcher.dispatch = dispatch_decode_apart
+
+
+def add_decode_graph_keys(dispatcher) -> None:
+    """Add FULL_DECODE_ONLY's keys (1-token decode steps up to ``max_num_seqs`` requests, as vLLM 0.26's
+    ``CudagraphDispatcher.initialize_cudagraph_keys`` adds them for a separate decode routine) to a
+    dispatcher in ``cudagraph_mode`` FULL, and send decode steps to them
+    (``install_loopspec_decode_graphs`` says why)."""
+    from itertools import product
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    max_num_seqs = dispatcher.vllm_config.scheduler_config.max_num_seqs
+    sizes = [n for n in dispatcher.compilation_config.cudagraph_capture_sizes if n <= max_num_seqs]
+    for n, loras in product(sizes, dispatcher._get_lora_cases()):
+        dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, dispatcher._create_padded_batch_descriptor(n, True, loras > 0, loras))
+    dispatcher.loopspec_decode_keys = True

@@ -36,7 +36,7 @@ request waits to join, see ``runner.py``; 0: the chain alone; at most 256). Both
 the family default (Ouro 1:2 at R=4; Raven the paper's 2:8 at R=32, scaled to the deployed R).
 
 Compilation: a LoopSpec engine on one CUDA GPU skips ``torch.compile`` unless the user sets it
-(``fast_start_compilation``), and keeps vLLM's full CUDA graphs to decode steps (``mixed_graphs_fallback``).
+(``fast_start_compilation``); its CUDA graph sizes are ``graph_capture_sizes``'s.
 """
 
 from __future__ import annotations
@@ -180,11 +180,15 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     """The compilation fields a LoopSpec engine gets by default, or None to leave vLLM's.
 
     Why: a LoopSpec engine decodes in lane steps, which replay the plugin's own CUDA graphs
-    (``lane_graphs.py``) and never call vLLM's forward; that forward serves prefills and the lanes
-    policy's plain steps. Compiling it (Dynamo tracing the T x L unrolled layers, then Inductor) was
-    most of a cold start and bought no measurable speed at 1-4 requests (H200, benchmarks/RESULTS.md,
-    twenty-second run); plain steps without it run the sandwich seams as the plugin's kernels
-    (``layers._fused_seam``). vLLM's full decode graphs stay. Only where the user set
+    (``lane_graphs.py``) and never call vLLM's forward; that forward serves prefills, lane-verifying
+    steps and the lanes policy's plain steps. Compiling it (Dynamo tracing the T x L unrolled layers,
+    then Inductor) was most of a cold start and bought no measurable speed at 1-4 requests (H200,
+    benchmarks/RESULTS.md, twenty-second run); plain steps without it run the sandwich seams as the
+    plugin's kernels (``layers._fused_seam``). vLLM's full CUDA graphs replay every step it can
+    (``cudagraph_mode`` FULL: prefills and mixed steps too, up to ``graph_capture_sizes``; decode steps in
+    their own graphs, ``vllm_patches.install_loopspec_decode_graphs``): without them an eager prefill
+    was 63-79 ms of a one-request first token (an H100, thirty-ninth run; in graphs Ouro-1.4B's first
+    token 92.5 -> 13.9 ms, Huginn-0125's 142.6 -> 51.0 ms, fortieth run). Only where the user set
     neither (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no
     ``--enforce-eager``), on CUDA, with one GPU (lane graphs need it; tensor parallel keeps vLLM's
     default, not measured)."""
@@ -194,34 +198,34 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     from vllm.config import CompilationMode
     from vllm.config.compilation import CUDAGraphMode
 
-    return {"mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY}
+    return {"mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.FULL}
 
 
-# Opt-in, for measuring only: a LoopSpec engine keeps ``cudagraph_mode`` FULL (``mixed_graphs_fallback``).
-FULL_MIXED_ENV = "VLLM_LOOP_FULL_MIXED_GRAPHS"
+def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: bool, max_num_seqs: int,
+                        max_model_len: int) -> tuple[list[int] | None, int | None]:
+    """``(cudagraph_capture_sizes, max_cudagraph_capture_size)`` for a LoopSpec engine, from the user's
+    (None: unset), before vLLM fills in the list.
 
+    Decode-only full graphs: vLLM sizes its largest graph for draft-model steps,
+    ``min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512)`` (512 for LoopSpec at any batch, its
+    drafts being 16+), where a LoopSpec engine's plain steps have one token a request; so, unless the
+    user set sizes, a vanilla engine's ``min(max_num_seqs x 2, 512)``: at 128 sequences 35 graphs
+    instead of 51, and 6-7 s less start-up on the H200 (benchmarks/RESULTS.md, eighteenth run).
 
-def mixed_graphs_fallback(compilation, *, allowed: bool = False):
-    """The ``cudagraph_mode`` a LoopSpec engine runs instead of the user's FULL (one full graph of
-    vLLM's forward for every step, prefills and mixed steps included), or None to keep the user's.
-
-    Why: on an H100 such an engine crashed at start-up (an illegal memory access while vLLM captured
-    its largest mixed-step graph) in all four cases measured where the largest capture size exceeded
-    ``max_model_len``, and started in the five where it did not; vanilla engines started at those settings
-    (benchmarks/full_graphs_probe.py). Not found yet: why LoopSpec's engine alone (vLLM's mixed-step
-    capture gives every dummy request a context as long as the whole capture, past its block-table
-    row: a likely start). And LoopSpec's greedy identity has not been checked under mixed-step graphs
-    (benchmarks/RESULTS.md, thirty-ninth run). So mixed steps fall back as vLLM falls them back for an
-    attention backend without mixed-step graphs: to piecewise graphs under torch.compile, else to none
-    (decode steps keep their full graphs). ``allowed`` (``VLLM_LOOP_FULL_MIXED_GRAPHS=1``): keep FULL,
-    to measure it."""
-    from vllm.config import CompilationMode
-    from vllm.config.compilation import CUDAGraphMode
-
-    if allowed or compilation.cudagraph_mode != CUDAGraphMode.FULL:
-        return None
-    compiled = compilation.mode in (None, CompilationMode.VLLM_COMPILE)  # None: vLLM's default, compiled
-    return CUDAGraphMode.FULL_AND_PIECEWISE if compiled else CUDAGraphMode.FULL_DECODE_ONLY
+    Mixed-step full graphs (``cudagraph_mode`` FULL): prefills run in them, so vLLM's own 512 unless
+    the user set sizes; and none longer than ``max_model_len``. vLLM captures a mixed-step graph of n
+    tokens with every dummy request's context n tokens long, which for n > ``max_model_len`` reads past
+    the request's block-table row: that crashed LoopSpec engines at start-up (an H100, thirty-ninth
+    run, in all four cases where n > ``max_model_len``, in none of five where not). A real step never
+    has a request longer than ``max_model_len``; batches larger than the largest graph run eagerly."""
+    if not mixed:
+        if sizes is None and largest is None:
+            largest = min(max_num_seqs * 2, 512)  # vLLM's cap, 512
+        return sizes, largest
+    if sizes is not None:
+        sizes = [n for n in sizes if n <= max_model_len] or [min(max_model_len, 512)]
+        return sizes, (max(sizes) if largest is not None else None)
+    return None, min(512 if largest is None else largest, max_model_len)
 
 
 def knobs(vllm_config) -> dict | None:
