@@ -53,15 +53,16 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
   with its CUDA custom ops, decode steps still replayed from vLLM's full CUDA graphs; LoopSpec's lane
-  graphs unchanged). It starts without Dynamo / Inductor (most of a looped model's cold start). Since
-  2026-12-04 this is a LoopSpec engine's default on one CUDA GPU (``config.fast_start_compilation``);
+  graphs unchanged). It starts without Dynamo / Inductor (most of a looped model's cold start). From
+  2026-12-04 to 2026-12-06 this was a LoopSpec engine's default on one CUDA GPU;
 * ``SYSTEM-compiled`` -- the same engine with vLLM's ``torch.compile`` asked for
   (``compilation_config={"mode": 3}``): vanilla's default, a LoopSpec engine's before 2026-12-04;
 * ``SYSTEM-fullgraphs`` -- no ``torch.compile`` and vLLM's full CUDA graphs for every step of up to 512
   tokens, prefills and mixed steps included (``{"mode": 0, "cudagraph_mode": "FULL",
   "max_cudagraph_capture_size": 512}``; vLLM falls back to decode-only graphs where the attention
   backend cannot replay mixed steps). A LoopSpec engine keeps its decode graphs apart from the mixed
-  ones (``vllm_patches.install_loopspec_decode_graphs``).
+  ones (``vllm_patches.install_loopspec_decode_graphs``); since 2026-12-06 this is its default on one CUDA
+  GPU (``config.fast_start_compilation``; at ``max_model_len`` >= 512 the same engine).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
 ``--top-k``), ``ignore_eos``; the decode rate is c x 512 / (t(576 new tokens) - t(64 new tokens)) (prefill and
