@@ -406,8 +406,10 @@ def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
           f"{scheduling} (V1 runner)")
 
 
-def test_loopspec_sampling_distribution_compiled(ckpt_factory):
-    """fp32, compiled, with the CUDA defaults (lane graphs, the Triton lane attention): seeded top-k
+def test_loopspec_sampling_distribution(ckpt_factory):
+    """fp32, a LoopSpec engine's defaults (no compile, vLLM's full graphs for every step; named
+    ``..._compiled`` until 2026-12-06, though it started the default engine since the 12-04 fast start),
+    with the CUDA defaults (lane graphs, the Triton lane attention): seeded top-k
     and top-p samples of LoopSpec's first tokens follow the exact distribution of ordinary sampling
     (the reference model's, enumerated), every branch of the cascade ran, nothing leaks. Here the
     readouts' top-k / top-p filter runs on the GPU (``pipeline.readout_values``)."""
