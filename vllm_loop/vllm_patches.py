@@ -647,8 +647,8 @@ def install_loopspec_front_door() -> None:
 
 def _fast_start(args, parallel_config) -> None:
     """A LoopSpec engine without torch.compile unless the user asked for it
-    (``loopspec_config.fast_start_compilation`` says why). Set on ``EngineArgs.compilation_config``, which
-    ``create_engine_config`` reads after it built the speculative config."""
+    (``loopspec_config.fast_start_compilation`` says why). Set on ``EngineArgs.compilation_config``,
+    which ``create_engine_config`` reads after it built the speculative config."""
     import copy
 
     from vllm.config.vllm import OptimizationLevel
@@ -662,12 +662,12 @@ def _fast_start(args, parallel_config) -> None:
         gpus=parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size)
     if fields is None:
         return
+    args.compilation_config = copy.deepcopy(args.compilation_config)  # not a shared default's
+    for name, value in fields.items():
+        setattr(args.compilation_config, name, value)
     logger.info("LoopSpec: vLLM's forward runs without torch.compile, replayed from its full CUDA graphs (prefills "
                 "too; lane steps replay the plugin's own graphs): a start without Dynamo / Inductor. To compile "
                 "it anyway: --compilation-config '{\"mode\": 3}'")
-    args.compilation_config = copy.deepcopy(args.compilation_config)  # the user's / a shared default's stays
-    for name, value in fields.items():
-        setattr(args.compilation_config, name, value)
 
 
 def async_blocker(vllm_config) -> str | None:
@@ -899,14 +899,11 @@ def install_loopspec_decode_graphs() -> None:
     Under ``cudagraph_mode`` FULL (full graphs for mixed steps too: prefills graphed), vLLM keys every
     graph as a mixed step, so a plain decode step replays a graph captured for a prefill of as many
     tokens: 14 % slower plain steps at 128 requests (an H100, thirty-ninth run). A LoopSpec engine
-    also captures the decode graphs FULL_DECODE_ONLY would (``add_decode_graph_keys``) and sends 1-token
-    decode steps to them (``CudagraphDispatcher.dispatch``), as FULL_AND_PIECEWISE does with its
-    piecewise half; vLLM 0.26 has no mode for full graphs on both sides."""
-    from dataclasses import replace
-
+    also captures the decode graphs FULL_DECODE_ONLY would and sends 1-token decode steps to them
+    (``add_decode_graph_keys``), as FULL_AND_PIECEWISE does with its piecewise half; vLLM 0.26 has no
+    mode for full graphs on both sides."""
     from vllm.config import VllmConfig
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_loop.loopspec.config import graph_capture_sizes, knobs
@@ -914,7 +911,7 @@ def install_loopspec_decode_graphs() -> None:
     original = GPUModelRunner._check_and_update_cudagraph_mode
     if getattr(original, "_vllm_loop", False):
         return
-    set_sizes, dispatch = VllmConfig._set_cudagraph_sizes, CudagraphDispatcher.dispatch
+    set_sizes = VllmConfig._set_cudagraph_sizes
 
     def set_cudagraph_sizes(self):
         cc = self.compilation_config
@@ -934,26 +931,17 @@ def install_loopspec_decode_graphs() -> None:
             add_decode_graph_keys(self.cudagraph_dispatcher)
         return out
 
-    def dispatch_decode_apart(self, num_tokens, uniform_decode=False, *args, **kwargs):
-        mode, desc = dispatch(self, num_tokens, uniform_decode, *args, **kwargs)
-        if mode == CUDAGraphMode.FULL and uniform_decode and getattr(self, "loopspec_decode_keys", False):
-            decode = replace(desc, uniform=True)  # at 1 token a request, num_reqs is the mixed key's
-            if decode in self.cudagraph_keys[CUDAGraphMode.FULL]:
-                desc = decode
-        return mode, desc
-
-    for hook in (check_and_update_cudagraph_mode, set_cudagraph_sizes, dispatch_decode_apart):
-        hook._vllm_loop = True
+    check_and_update_cudagraph_mode._vllm_loop = set_cudagraph_sizes._vllm_loop = True
     GPUModelRunner._check_and_update_cudagraph_mode = check_and_update_cudagraph_mode
     VllmConfig._set_cudagraph_sizes = set_cudagraph_sizes
-    CudagraphDispatcher.dispatch = dispatch_decode_apart
 
 
 def add_decode_graph_keys(dispatcher) -> None:
     """Add FULL_DECODE_ONLY's keys (1-token decode steps up to ``max_num_seqs`` requests, as vLLM 0.26's
     ``CudagraphDispatcher.initialize_cudagraph_keys`` adds them for a separate decode routine) to a
-    dispatcher in ``cudagraph_mode`` FULL, and send decode steps to them
-    (``install_loopspec_decode_graphs`` says why)."""
+    dispatcher in ``cudagraph_mode`` FULL, and send decode steps to them: this dispatcher's ``dispatch``
+    only, so other engines' dispatchers stay vLLM's (``install_loopspec_decode_graphs`` says why)."""
+    from dataclasses import replace
     from itertools import product
 
     from vllm.config.compilation import CUDAGraphMode
@@ -962,4 +950,14 @@ def add_decode_graph_keys(dispatcher) -> None:
     sizes = [n for n in dispatcher.compilation_config.cudagraph_capture_sizes if n <= max_num_seqs]
     for n, loras in product(sizes, dispatcher._get_lora_cases()):
         dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, dispatcher._create_padded_batch_descriptor(n, True, loras > 0, loras))
-    dispatcher.loopspec_decode_keys = True
+    dispatch, full_keys = dispatcher.dispatch, dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
+
+    def dispatch_decode_apart(num_tokens, uniform_decode=False, *args, **kwargs):
+        mode, desc = dispatch(num_tokens, uniform_decode, *args, **kwargs)
+        if mode == CUDAGraphMode.FULL and uniform_decode:
+            decode = replace(desc, uniform=True)  # at 1 token a request, num_reqs is the mixed key's
+            if decode in full_keys:
+                desc = decode
+        return mode, desc
+
+    dispatcher.dispatch = dispatch_decode_apart
