@@ -6,7 +6,10 @@ The cases are tiny factory checkpoints (vanilla and LoopSpec; fp32 with Triton a
 identity tests run, and bf16 with vLLM's default attention) at ``max_model_len`` 128 or 1024 and a
 largest capture size of 512 or 64 tokens asked for. Its first form (thirty-ninth run, an H100)
 found LoopSpec engines crashing at start-up wherever the capture exceeded ``max_model_len``; a LoopSpec
-engine now caps its graphs at ``max_model_len`` (``loopspec/config.py: graph_capture_sizes``). GPU only.
+engine now caps its graphs at ``max_model_len`` (``loopspec/config.py: graph_capture_sizes``). The cause
+(``graph_capture_sizes``' docstring): vLLM's warm-up over-reads the block table in every engine, and the
+over-read ids land outside the KV allocation only in vLLM's packed KV layout, which LoopSpec engines
+use; ``vanilla-huginn-fp32-packed`` gives a vanilla engine that layout (and reports it taken). GPU only.
 
     python benchmarks/full_graphs_probe.py --out full-graphs-probe.jsonl
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,7 +34,19 @@ CASES = {  # name -> (checkpoint, speculative config or None, dtype, largest cap
     "loopspec-huginn-fp32-len1024": (HUGINN, LOOPSPEC_1_5, "float32", 512, 1024),
     "loopspec-huginn-bf16": (HUGINN, LOOPSPEC_1_5, "bfloat16", 512, 128),
     "vanilla-ouro-fp32": (OURO, None, "float32", 512, 128),
+    # vanilla-huginn-fp32 with vLLM's packed KV layout (one allocation for all layers), which a LoopSpec
+    # engine always has: does the layout alone make a vanilla engine's over-read crash?
+    "vanilla-huginn-fp32-packed": (HUGINN, None, "float32", 512, 128),
 }
+
+
+def force_packed_kv_layout() -> None:
+    """vLLM's packed KV layout for every engine of this process (engine core in-process, so the patch
+    reaches it)."""
+    from vllm.v1.core import kv_cache_utils
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kv_cache_utils._use_packed_kv_cache_config = lambda vllm_config, kv_cache_groups: len(kv_cache_groups) == 1
 
 
 def case(name: str, folder: Path) -> dict:
@@ -41,6 +57,9 @@ def case(name: str, folder: Path) -> dict:
     from vllm_loop.testing.engines import start_llm
 
     (family, options, overrides), spec, dtype, capture, max_model_len = CASES[name]
+    if name.endswith("-packed"):
+        force_packed_kv_layout()
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the layout check below sends a function
     path = make_checkpoint(family, folder / name, seed=0, options=options, **overrides)
     kw = dict(dtype=dtype, max_model_len=max_model_len, block_size=16,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": capture})
@@ -49,10 +68,13 @@ def case(name: str, folder: Path) -> dict:
     t = time.time()
     llm = start_llm(str(path), **kw)
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
+    # the layout really taken: packed = one tensor backs every layer's KV
+    packed = llm.collective_rpc(
+        lambda w: len({c.untyped_storage().data_ptr() for c in w.model_runner.kv_caches}) == 1)[0]
     outs = llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)],
                         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
     return {"case": name, "started": True, "cudagraph_mode": mode, "start_s": round(time.time() - t, 1),
-            "tokens": [len(o.outputs[0].token_ids) for o in outs]}
+            "tokens": [len(o.outputs[0].token_ids) for o in outs], "packed_kv": packed}
 
 
 def main() -> int:

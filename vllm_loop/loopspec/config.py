@@ -213,9 +213,14 @@ def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: 
     instead of 51, and 6-7 s less start-up on the H200 (benchmarks/RESULTS.md, eighteenth run).
 
     Mixed-step full graphs (``cudagraph_mode`` FULL): prefills run in them, so vLLM's own 512 unless
-    the user set sizes; and none longer than ``max_model_len``. vLLM captures a mixed-step graph of n
-    tokens with every dummy request's context n tokens long, which for n > ``max_model_len`` reads past
-    the request's block-table row: that crashed LoopSpec engines at start-up (an H100, thirty-ninth
+    the user set sizes; and none longer than ``max_model_len``. vLLM 0.26's warm-up before capturing a
+    mixed-step graph of n tokens gives every dummy request a context of n tokens (``_dummy_run``:
+    ``seq_lens = max_query_len``; vLLM issue #53658, fix #53671 unmerged), and its Triton attention
+    loads block-table entries unmasked, so for n > ``max_model_len`` the last rows read ids from past
+    the end of the block table (the -1s of the slot mapping, likely). Vanilla engines over-read too,
+    but an id of -1 lands in the previous layer's KV tensor; in a LoopSpec engine's packed KV layout
+    (one allocation for all layers, ``vllm_patches.install_loopspec_packed_kv``) it lands below the
+    allocation: the illegal access that crashed LoopSpec engines at start-up (an H100, thirty-ninth
     run, in all four cases where n > ``max_model_len``, in none of five where not). A real step never
     has a request longer than ``max_model_len``; batches larger than the largest graph run eagerly."""
     if not mixed:
