@@ -1,20 +1,19 @@
-"""Why a mixed-step full graph longer than ``max_model_len`` crashed LoopSpec engines at start-up and
-not vanilla ones, from vLLM 0.26's own functions, on the CPU (no engine, no GPU).
+"""The over-read behind the start-up crash of LoopSpec engines whose mixed-step full graphs were longer
+than ``max_model_len``, from vLLM 0.26's own functions, on the CPU (no engine, no GPU).
 
 1. The warm-up before vLLM captures a mixed-step graph of N tokens (``GPUModelRunner._dummy_run``)
    splits N over ``min(N, max_num_seqs)`` dummy requests but gives each a context of N tokens
    (``seq_lens = max_query_len``; vLLM issue #53658). The Triton attention kernel loads block-table
    entries without a mask, so a request whose context needs more pages than a row holds reads the
-   next rows, and the last rows read past the table's end: the printout lists those words. (What lies
-   there is the allocator's choice; ``BlockTable`` allocates the slot mapping next, which dummy runs
-   fill with -1.)
-2. Where such an id lands depends on the KV layout. Per layer (vanilla): one tensor a layer, so id -1
-   lands one page below the layer's tensor, inside the previous layer's. Packed (vLLM's layout that
-   LoopSpec engines use, ``vllm_patches.install_loopspec_packed_kv``): one allocation for all layers at
-   a block stride of L pages, so id -1 lands below the allocation for every layer.
-
-The GPU half (a vanilla engine forced into the packed layout) is ``full_graphs_probe.py``'s
-``vanilla-huginn-fp32-packed`` case.
+   next rows, and the last rows read past the table's end: the printout lists those words. What lies
+   there is the allocator's choice (``BlockTable`` allocates the slot mapping next, which dummy runs
+   fill with -1).
+2. Where block id -1 would land in vLLM's two KV layouts: per layer (a vanilla engine; one tensor a
+   layer) and packed (one allocation for all layers at a block stride of L pages, which LoopSpec
+   engines use, ``vllm_patches.install_loopspec_packed_kv``). In the packed layout it lands up to L
+   pages below the allocation. That was a guess at why only LoopSpec engines crashed; on an H100 a
+   vanilla engine given the packed layout started and generated (``full_graphs_probe.py``'s
+   ``vanilla-huginn-fp32-packed``, forty-first run), so the layout alone is not the reason.
 
     python benchmarks/dummy_run_overread.py
 """

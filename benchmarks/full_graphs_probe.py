@@ -6,10 +6,10 @@ The cases are tiny factory checkpoints (vanilla and LoopSpec; fp32 with Triton a
 identity tests run, and bf16 with vLLM's default attention) at ``max_model_len`` 128 or 1024 and a
 largest capture size of 512 or 64 tokens asked for. Its first form (thirty-ninth run, an H100)
 found LoopSpec engines crashing at start-up wherever the capture exceeded ``max_model_len``; a LoopSpec
-engine now caps its graphs at ``max_model_len`` (``loopspec/config.py: graph_capture_sizes``). The cause
-(``graph_capture_sizes``' docstring): vLLM's warm-up over-reads the block table in every engine, and the
-over-read ids land outside the KV allocation only in vLLM's packed KV layout, which LoopSpec engines
-use; ``vanilla-huginn-fp32-packed`` gives a vanilla engine that layout (and reports it taken). GPU only.
+engine now caps its graphs at ``max_model_len`` (``loopspec/config.py: graph_capture_sizes``). vLLM's
+warm-up over-reads the block table in every engine (``dummy_run_overread.py``); whether vLLM's packed
+KV layout, which LoopSpec engines use, is what makes that fatal, ``vanilla-huginn-fp32-packed`` tests:
+a vanilla engine given that layout (the case reports the layout taken: ``packed_kv``). GPU only.
 
     python benchmarks/full_graphs_probe.py --out full-graphs-probe.jsonl
 """
@@ -35,7 +35,8 @@ CASES = {  # name -> (checkpoint, speculative config or None, dtype, largest cap
     "loopspec-huginn-bf16": (HUGINN, LOOPSPEC_1_5, "bfloat16", 512, 128),
     "vanilla-ouro-fp32": (OURO, None, "float32", 512, 128),
     # vanilla-huginn-fp32 with vLLM's packed KV layout (one allocation for all layers), which a LoopSpec
-    # engine always has: does the layout alone make a vanilla engine's over-read crash?
+    # engine always has: does the layout alone make a vanilla engine's over-read crash? (H100, forty-
+    # first run: no, it started)
     "vanilla-huginn-fp32-packed": (HUGINN, None, "float32", 512, 128),
 }
 

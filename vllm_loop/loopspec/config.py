@@ -217,12 +217,12 @@ def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: 
     mixed-step graph of n tokens gives every dummy request a context of n tokens (``_dummy_run``:
     ``seq_lens = max_query_len``; vLLM issue #53658, fix #53671 unmerged), and its Triton attention
     loads block-table entries unmasked, so for n > ``max_model_len`` the last rows read ids from past
-    the end of the block table (the -1s of the slot mapping, likely). Vanilla engines over-read too,
-    but an id of -1 lands in the previous layer's KV tensor; in a LoopSpec engine's packed KV layout
-    (one allocation for all layers, ``vllm_patches.install_loopspec_packed_kv``) it lands below the
-    allocation: the illegal access that crashed LoopSpec engines at start-up (an H100, thirty-ninth
-    run, in all four cases where n > ``max_model_len``, in none of five where not). A real step never
-    has a request longer than ``max_model_len``; batches larger than the largest graph run eagerly."""
+    the end of the block table (``benchmarks/dummy_run_overread.py``). Vanilla engines over-read too and
+    did not crash, LoopSpec engines did (an H100, thirty-ninth run: all four cases where n >
+    ``max_model_len``, none of five where not); what makes the garbage ids fatal only in LoopSpec
+    engines is not found (not their packed KV layout alone: a vanilla engine given it started, forty-
+    first run). A real step never has a request longer than ``max_model_len``; batches larger than the
+    largest graph run eagerly."""
     if not mixed:
         if sizes is None and largest is None:
             largest = min(max_num_seqs * 2, 512)  # vLLM's cap, 512
