@@ -214,18 +214,24 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
 LANE_KERNELS = {"default": {}, "triton-gemm-pdl": {"VLLM_LOOP_LANE_GEMM": "triton", "VLLM_LOOP_PDL": "1"}}
 
 
-@pytest.mark.parametrize("kernels", list(LANE_KERNELS))
-@pytest.mark.parametrize("name", ["huginn-R32-1:5", "ouro-agree-1:2", "ouro-agree-1:2-step32"])
-def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels):
+# (checkpoint, lane kernels, lane_graphs)
+NOCOMPILE = [(name, kernels, "auto") for name in ("huginn-R32-1:5", "ouro-agree-1:2", "ouro-agree-1:2-step32")
+             for kernels in LANE_KERNELS] + [("huginn-R32-1:5", "default", "off"), ("ouro-agree-1:2", "default", "off")]
+
+
+@pytest.mark.parametrize("name, kernels, graphs", NOCOMPILE,
+                         ids=[f"{n}-{k}" + ("" if g == "auto" else f"-lane-graphs-{g}") for n, k, g in NOCOMPILE])
+def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels, graphs):
     """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
     FULL: no Dynamo / Inductor at start-up; vLLM's forward replayed from its full graphs, prefills and
     lane-verifying steps from mixed-step graphs capped at ``max_model_len``, 1-token decode steps from
-    their own; the lane graphs as always): identical to the reference; also with the lanes' projections
-    on the Triton GEMM and every Triton kernel launched with PDL (the engine-core process inherits
-    the environment); and with 32 drafts a step (``step32``: longer lane steps)."""
+    their own): identical to the reference, with lane calls replayed from the lane graphs and (``off``)
+    eager; also with the lanes' projections on the Triton GEMM and every Triton kernel launched with PDL
+    (the engine-core process inherits the environment); and with 32 drafts a step (``step32``: longer
+    lane steps)."""
     for key, value in LANE_KERNELS[kernels].items():
         monkeypatch.setenv(key, value)
-    _greedy_identity(ckpt_factory, name, "auto", "triton", "auto", compiled=False, kernels=kernels)
+    _greedy_identity(ckpt_factory, name, graphs, "triton", "auto", compiled=False, kernels=kernels)
 
 
 def _count_graph_dispatches(worker) -> None:
