@@ -49,6 +49,9 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``SYSTEM-tgemm`` / ``SYSTEM-pdl`` (a LoopSpec system above, either or both, e.g. ``loopspec-auto-tgemm-pdl``)
   -- the lane calls' projections on the few-rows Triton GEMM instead of cuBLAS (``VLLM_LOOP_LANE_GEMM=triton``)
   / every Triton kernel launched with programmatic dependent launch (``VLLM_LOOP_PDL=1``, ``kernels/pdl.py``);
+* ``SYSTEM-plainonly`` (a LoopSpec system above) -- the same engine deciding plain decoding for every
+  step (the lanes policy's test pattern, ``VLLM_LOOP_LANES_PATTERN=P``): what a LoopSpec engine's plain
+  steps cost against ``vanilla`` with no lane step at all (``loopspec-auto`` minus it: the policy's trials);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
 * ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
@@ -128,9 +131,10 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3},
                "-fullgraphs": {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}}
-# suffixes to a LoopSpec system (any order, split_system): the environment of its lane kernels (the docstring)
+# suffixes to a LoopSpec system (any order, split_system): the environment of its lane kernels, or of
+# its lanes policy (``-plainonly``: the policy's test pattern "P", every step plain; the docstring)
 LANE_KERNELS = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
-                "-pdl": ("VLLM_LOOP_PDL", "1")}
+                "-pdl": ("VLLM_LOOP_PDL", "1"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P")}
 
 
 def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | None]:

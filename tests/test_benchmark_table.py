@@ -55,8 +55,8 @@ def test_first_token_time_when_measured():
 
 
 def test_system_suffixes():
-    """A system's compilation, lane-kernel and step-tokens suffixes, in any order: the engine's config and
-    environment."""
+    """A system's compilation, lane-kernel, plain-only and step-tokens suffixes, in any order: the engine's
+    config and environment."""
     assert split_system("loopspec-auto-tgemm-pdl") == ("loopspec-auto", None, {"VLLM_LOOP_LANE_GEMM": "triton",
                                                                               "VLLM_LOOP_PDL": "1"}, None)
     assert split_system("loopspec-tuned-nocompile-unfused") == (
@@ -66,6 +66,8 @@ def test_system_suffixes():
         "loopspec-auto", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {}, 32)
     assert split_system("vanilla-step32") == ("vanilla-step32", None, {}, None)  # not a LoopSpec system
     assert split_system("in-tree") == ("in-tree", None, {}, None)
+    # every step plain: the lanes policy's test pattern, in the engine-core process's environment
+    assert split_system("loopspec-auto-plainonly") == ("loopspec-auto", None, {"VLLM_LOOP_LANES_PATTERN": "P"}, None)
     assert split_system("loopspec-tuned-fullgraphs") == (
         "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}, {}, None)
 

@@ -241,3 +241,37 @@ def test_lanes_must_beat_plain_by_a_margin():
     close, clear = LanePolicy(trial=2, recheck=1000), LanePolicy(trial=2, recheck=1000)
     assert _run(close, rows=64, steps=30, speed={True: 1050.0, False: 1000.0})[4:] == [False] * 26
     assert _run(clear, rows=64, steps=30, speed={True: 1200.0, False: 1000.0})[4:] == [True] * 26
+
+
+def test_a_rate_from_far_longer_contexts_is_measured_again_before_the_other_mode_runs_on_it():
+    """The forty-second run's 128-request case (an H100): plain won, ran to ~600 positions a request and
+    slowed down there; the next wave of requests began at ~70 positions with a planned lane re-check, whose
+    rate was then compared with plain's from ~600 positions. Plain is measured again at once instead, and
+    runs on when it is the faster at today's contexts. A mode's older rate from *shorter* contexts (it
+    flatters that mode) brings nothing forward."""
+    def steps(policy: LanePolicy, n: int, rate: dict[bool, float], context: float) -> list[bool]:
+        chosen = []
+        for _ in range(n):
+            lanes = policy.lanes(128)
+            chosen.append(lanes)
+            tokens = 128 * (3 if lanes else 1)
+            policy.observe(StepSample(lanes, 128, tokens, tokens / rate[lanes], context=context))
+        return chosen
+
+    policy = LanePolicy(trial=4, recheck=20, budget=1e9)  # re-checks every 20 decisions
+    assert steps(policy, 8, {True: 9000.0, False: 10000.0}, 40.0) == [True] * 4 + [False] * 4
+    # plain runs on to long contexts (the lanes' rate, from 40 positions, flatters them: nothing early)
+    assert steps(policy, 20, {True: 4000.0, False: 5000.0}, 600.0) == [False] * 20
+    # the new wave: the planned lane re-check at 70 positions measures 9,500 tokens/s against plain's
+    # 5,000 from 600 positions ...
+    assert steps(policy, 5, {True: 9500.0, False: 10500.0}, 70.0) == [True] * 4 + [False]
+    # ... so plain is re-checked at once, measures 10,500 and runs on
+    assert steps(policy, 20, {True: 9500.0, False: 10500.0}, 75.0) == [False] * 20
+    assert policy.describe()[128] == {"lanes": 9500.0, "plain": 10500.0}
+    # without the longer contexts (plain's rate from 70 positions too), the same lanes would not run either
+    b = policy.buckets[128]
+    assert b.stale_mode() is None and not b.best()
+    b.context[False], b.latest = 600.0, True  # plain's figure from 600 positions, lanes' newer at 70
+    assert b.stale_mode() is False
+    b.context[False] = 150.0  # under 2 x 70 + 64 positions: a lane trial's own growth, not stale
+    assert b.stale_mode() is None

@@ -33,7 +33,12 @@ plain's steady rate, and lanes ran a whole 64-request case on that figure (twent
 The choice changes only on rates measured side by side (a trial or re-check), because both modes
 slow down as contexts grow: when running lanes fall below plain's older rate, plain is re-checked at
 once; when plain falls below the lanes' older rate, nothing happens until the planned re-check, since
-lanes slow down faster with context (each of a request's lanes reads the whole context).
+lanes slow down faster with context (each of a request's lanes reads the whole context). The other way
+round, a mode's older rate can come from much *longer* contexts than today's -- a new wave of requests
+after the last one finished -- and then it undersells that mode: it is re-checked at once, before the
+other runs on it (``stale_mode``). On an H100 a lane rate from 594 positions a request once kept 64
+fresh requests on plain steps for 1,407 decisions (forty-first run), and at 128 requests a lane rate
+from 73 positions was weighed against plain's from 597 (forty-second run, benchmarks/RESULTS.md).
 
 ``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one process), so every
 tensor-parallel rank follows the same one.
@@ -64,6 +69,10 @@ EARLY_END = 0.75
 # measured about even with plain steps and ran for half the tokens, and the run came out at 0.92x
 # vanilla (benchmarks/RESULTS.md, tenth run).
 LANES_MARGIN = 1.1
+# A mode's older rate undersells it when it was measured at more than this many times the context of the
+# other's newer one, plus CONTEXT_SLACK positions (a lane trial alone moves a request's context by up to
+# ~17 positions a step, so at short contexts the two trials' contexts differ ~2x with nothing stale).
+CONTEXT_DROP, CONTEXT_SLACK = 2.0, 64.0
 
 
 @dataclass
@@ -93,9 +102,18 @@ class _Bucket:
     next_check: int = 0
     rechecking: bool = False  # the other mode is on trial again
     last: bool | None = None  # the last choice
+    latest: bool | None = None  # the mode of the last rated sample
 
     def best(self) -> bool:
         return self.rate[True] > LANES_MARGIN * self.rate[False]
+
+    def stale_mode(self) -> bool | None:
+        """The mode whose rate is older and from contexts much longer than the other's newer rate (so it
+        undersells that mode), or None."""
+        if self.latest is None or (not self.latest) not in self.context:
+            return None
+        older = not self.latest
+        return older if self.context[older] > CONTEXT_DROP * self.context[self.latest] + CONTEXT_SLACK else None
 
 
 def bucket_of(rows: int) -> int:
@@ -134,11 +152,15 @@ class LanePolicy:
             best = b.last
             if best:
                 b.next_check = b.steps
-        if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan the next re-check
-            b.next_check = b.steps + self.wait(b, best)
-            if best != b.last:
-                self._log(rows, b, f"{_MODE[best]} chosen", f"next re-check in {b.next_check - b.steps} decisions")
-        b.rechecking, b.last = False, best
+        if b.stale_mode() == (not best):  # the other's rate is from far longer contexts: no choice on it
+            b.next_check = b.steps  # measure it now
+        else:
+            if b.last is None or best != b.last or b.rechecking:  # a choice made or confirmed: plan a re-check
+                b.next_check = b.steps + self.wait(b, best)
+                if best != b.last:
+                    self._log(rows, b, f"{_MODE[best]} chosen", f"next re-check in {b.next_check - b.steps} decisions")
+            b.last = best
+        b.rechecking = False
         if b.steps >= b.next_check:  # start a re-measurement of the other mode
             b.rechecking = True
             b.seen[not best] = 0
@@ -184,7 +206,7 @@ class LanePolicy:
         for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
             old = values.get(mode)
             values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
-        b.context[mode] = sample.context
+        b.context[mode], b.latest = sample.context, mode
         # clearly the slower: its trial ends here (not on a warm-up, which is slow whatever lanes can do)
         if fresh and not sample.warmup and rate < EARLY_END * b.rate.get(not mode, 0.0):
             b.seen[mode] = max(b.seen[mode], self.trial)
