@@ -51,7 +51,8 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   / every Triton kernel launched with programmatic dependent launch (``VLLM_LOOP_PDL=1``, ``kernels/pdl.py``);
 * ``SYSTEM-plainonly`` (a LoopSpec system above) -- the same engine deciding plain decoding for every
   step (the lanes policy's test pattern, ``VLLM_LOOP_LANES_PATTERN=P``): what a LoopSpec engine's plain
-  steps cost against ``vanilla`` with no lane step at all (``loopspec-auto`` minus it: the policy's trials);
+  steps cost against ``vanilla`` with no lane step at all (``loopspec-auto`` against it: what the
+  policy's lane steps cost or gain);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
 * ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
