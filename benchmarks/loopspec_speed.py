@@ -132,20 +132,20 @@ SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec",
 # suffixes to any system: its engine without / with vLLM's torch.compile (the docstring)
 COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "-compiled": {"mode": 3},
                "-fullgraphs": {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}}
-# suffixes to a LoopSpec system (any order, split_system): the environment of its lane kernels, or of
-# its lanes policy (``-plainonly``: the policy's test pattern "P", every step plain; the docstring)
-LANE_KERNELS = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
-                "-pdl": ("VLLM_LOOP_PDL", "1"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P")}
+# suffixes to a LoopSpec system (any order, split_system): one variable of its engine's environment, for
+# its lane kernels or its lanes policy (``-plainonly``: the policy's test pattern "P"; the docstring)
+ENGINE_ENV = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
+              "-pdl": ("VLLM_LOOP_PDL", "1"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P")}
 
 
 def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | None]:
     """The system without its suffixes; the compilation suffix's config (None: none), the
-    environment its lane-kernel suffixes set, and the ``step_tokens`` of a ``-stepN`` suffix (None:
-    the system's own). The suffixes may come in any order."""
+    environment its lane-kernel and plain-only suffixes set, and the ``step_tokens`` of a ``-stepN``
+    suffix (None: the system's own). The suffixes may come in any order."""
     compilation, env, step_tokens = None, {}, None
     while True:
-        if suffix := next((x for x in LANE_KERNELS if system.endswith(x)), None):
-            key, value = LANE_KERNELS[suffix]
+        if suffix := next((x for x in ENGINE_ENV if system.endswith(x)), None):
+            key, value = ENGINE_ENV[suffix]
             system, env[key] = system.removesuffix(suffix), value
         elif suffix := next((x for x in COMPILATION if system.endswith(x)), None):
             system, compilation = system.removesuffix(suffix), COMPILATION[suffix]
