@@ -275,3 +275,60 @@ def test_a_rate_from_far_longer_contexts_is_measured_again_before_the_other_mode
     assert b.stale_mode() is False
     b.context[False] = 150.0  # under 2 x 70 + 64 positions: a lane trial's own growth, not stale
     assert b.stale_mode() is None
+
+
+def test_lanes_within_the_margin_keep_running_without_plain_rechecks():
+    """A choice of lanes needs LANES_MARGIN over plain; once running, lanes that slow to 1.05x plain's
+    rate keep running with no re-check of plain (each costs both warm-ups); below plain's rate they bring
+    one at once."""
+    policy = LanePolicy(trial=4, recheck=1000)
+    _run(policy, rows=128, steps=20, speed={True: 1300.0, False: 1000.0})
+    assert _run(policy, rows=128, steps=30, speed={True: 1050.0, False: 1000.0}) == [True] * 30
+    assert policy.describe()[128]["lanes"] == pytest.approx(1050.0, rel=1e-3)
+    chosen = _run(policy, rows=128, steps=10, speed={True: 950.0, False: 1000.0})
+    assert chosen[:2] == [True, True] and False in chosen  # fell below 1,000: plain re-checked
+
+
+def test_a_mode_s_average_restarts_when_its_contexts_drop():
+    """A steady sample from far shorter contexts than a mode's moving average (a new wave of requests)
+    replaces the average instead of being mixed into it; nearby contexts are averaged as before."""
+    policy = LanePolicy(trial=2, recheck=1000, smoothing=0.3)
+    for lanes, rate in ((True, 1000.0), (True, 1000.0), (False, 2000.0), (False, 2000.0)):
+        assert policy.lanes(64) is lanes
+        policy.observe(StepSample(lanes, 64, 64, 64 / rate, context=590.0))
+    policy.observe(StepSample(False, 64, 64, 64 / 3000.0, context=500.0))  # like contexts: averaged
+    assert policy.describe()[64]["plain"] == pytest.approx(2300.0)
+    policy.observe(StepSample(False, 64, 64, 64 / 6000.0, context=40.0))  # a new wave: restarted
+    assert policy.describe()[64]["plain"] == pytest.approx(6000.0)
+    policy.observe(StepSample(False, 64, 64, 64 / 500.0, context=5.0, warmup=True))  # a warm-up: left out
+    assert policy.describe()[64]["plain"] == pytest.approx(6000.0)
+
+
+def test_contexts_growing_at_128_requests_switch_rarely_and_never_lose_to_plain_alone():
+    """The forty-second H100 run's 128-request case, as a model: a lane step commits 10.5 tokens a
+    request (3 in a warm-up) and costs 80 ms + 0.36 ms per position, a plain step 11.2 ms + 0.028 ms per
+    position and twice that after lanes. Lanes win ~1.5x at the start of a wave and ~1.1x by its end.
+    Over waves of 576 tokens from 32-token prompts the policy switches modes at most 10 times a wave and is
+    never slower than plain steps alone. (A re-check whenever lanes fell within the margin of plain's
+    older rate switched 16-22 times a wave here and lost 4-8 %.)"""
+    def wave(policy: LanePolicy | None, n_tokens: int) -> tuple[float, int]:
+        context, out, seconds, last, switches = 32.0, 0.0, 0.0, False, 0
+        while out < n_tokens:
+            lanes = policy.lanes(128) if policy else False
+            if lanes:
+                tokens, dt = (10.5 if last else 3.0), (80 + 0.36 * context) / 1000
+            else:
+                tokens, dt = 1.0, (11.2 + 0.028 * context) / 1000 * (2.0 if last else 1.0)
+            if policy:
+                policy.observe(StepSample(lanes, 128, int(128 * tokens), dt, warmup=lanes != last,
+                                          context=context))
+            switches += lanes != last
+            last, out, context, seconds = lanes, out + tokens, context + tokens, seconds + dt
+        return seconds, switches
+
+    policy = LanePolicy()
+    wave(policy, 64)
+    plain_only, _ = wave(None, 576)
+    for _ in range(3):
+        seconds, switches = wave(policy, 576)
+        assert switches <= 10 and seconds <= plain_only, (switches, plain_only / seconds)

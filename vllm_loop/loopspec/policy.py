@@ -31,12 +31,16 @@ trial at the end of a short run once ended on the step whose update finished req
 plain's steady rate, and lanes ran a whole 64-request case on that figure (twenty-fourth run).
 
 The choice changes only on rates measured side by side (a trial or re-check), because both modes
-slow down as contexts grow: when running lanes fall below plain's older rate, plain is re-checked at
-once; when plain falls below the lanes' older rate, nothing happens until the planned re-check, since
-lanes slow down faster with context (each of a request's lanes reads the whole context). The other way
+slow down as contexts grow: when running lanes fall below plain's older rate itself (not merely
+below the margin over it, which a choice of lanes needs: each re-check costs both warm-ups), plain is re-checked at once;
+when plain falls below the lanes' older rate, nothing happens until the planned re-check, since lanes
+slow down faster with context (each of a request's lanes reads the whole context). At 128 requests on
+an H100 lanes ran ~1.09x plain a step at like contexts, and a re-check whenever they fell within the
+margin came every 4 decisions, with both warm-ups each time (forty-second run). The other way
 round, a mode's older rate can come from much *longer* contexts than today's -- a new wave of requests
 after the last one finished -- and then it undersells that mode: it is re-checked at once, before the
-other runs on it (``stale_mode``). On an H100 a lane rate from 594 positions a request once kept 64
+other runs on it (``stale_mode``); and a mode's own moving average starts afresh on a steady sample
+from far shorter contexts than its last one. On an H100 a lane rate from 594 positions a request once kept 64
 fresh requests on plain steps for 1,407 decisions (forty-first run), and at 128 requests a lane rate
 from 73 positions was weighed against plain's from 597 (forty-second run, benchmarks/RESULTS.md).
 
@@ -150,7 +154,10 @@ class LanePolicy:
             # at the planned re-check, since lanes slow down faster with context (each of a request's
             # lanes reads the whole context), so their older figure flatters them
             best = b.last
-            if best:
+            # lanes that fell below plain's rate itself (not just below the margin, which is the price of
+            # switching to them, already paid): at 128 requests on an H100 a trigger at the margin
+            # re-checked plain every 4 decisions, both warm-ups each time, for a few percent per step
+            if best and b.rate[True] < b.rate[False]:
                 b.next_check = b.steps
         if b.stale_mode() == (not best):  # the other's rate is from far longer contexts: no choice on it
             b.next_check = b.steps  # measure it now
@@ -194,7 +201,11 @@ class LanePolicy:
             return
         b = self.buckets.setdefault(bucket_of(sample.rows), _Bucket())
         mode, rate = sample.lanes, sample.tokens / sample.seconds
-        fresh = b.seen[mode] == 0  # a fresh trial replaces the old estimate; later samples are averaged in
+        # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
+        # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
+        # H100, forty-second run); later samples are averaged in
+        fresh = b.seen[mode] == 0 or (not sample.warmup and b.context.get(mode, 0.0)
+                                      > CONTEXT_DROP * sample.context + CONTEXT_SLACK)
         b.seen[mode] += 1
         if sample.warmup:
             b.warmup[mode] = (sample.seconds, sample.tokens)
