@@ -32,11 +32,11 @@ plain's steady rate, and lanes ran a whole 64-request case on that figure (twent
 
 The choice changes only on rates measured side by side (a trial or re-check), because both modes
 slow down as contexts grow: when running lanes fall below plain's older rate itself (not merely
-below the margin over it, which a choice of lanes needs: each re-check costs both warm-ups), plain is re-checked at once;
-when plain falls below the lanes' older rate, nothing happens until the planned re-check, since lanes
-slow down faster with context (each of a request's lanes reads the whole context). At 128 requests on
-an H100 lanes ran ~1.09x plain a step at like contexts, and a re-check whenever they fell within the
-margin came every 4 decisions, with both warm-ups each time (forty-second run). The other way
+within the margin that choosing lanes needs), plain is re-checked at once; when plain falls below the
+lanes' older rate, nothing happens until the planned re-check, since lanes slow down faster with
+context (each of a request's lanes reads the whole context). At 128 requests on an H100 lanes ran
+~1.09x plain a step at like contexts, just under the margin, and a re-check whenever they fell within
+it came every 4 decisions, with both modes' warm-ups each time (forty-second run). The other way
 round, a mode's older rate can come from much *longer* contexts than today's -- a new wave of requests
 after the last one finished -- and then it undersells that mode: it is re-checked at once, before the
 other runs on it (``stale_mode``); and a mode's own moving average starts afresh on a steady sample
@@ -154,9 +154,7 @@ class LanePolicy:
             # at the planned re-check, since lanes slow down faster with context (each of a request's
             # lanes reads the whole context), so their older figure flatters them
             best = b.last
-            # lanes that fell below plain's rate itself (not just below the margin, which is the price of
-            # switching to them, already paid): at 128 requests on an H100 a trigger at the margin
-            # re-checked plain every 4 decisions, both warm-ups each time, for a few percent per step
+            # only lanes below plain's rate itself: a trigger at the margin churned (see the docstring)
             if best and b.rate[True] < b.rate[False]:
                 b.next_check = b.steps
         if b.stale_mode() == (not best):  # the other's rate is from far longer contexts: no choice on it
