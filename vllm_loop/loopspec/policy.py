@@ -79,6 +79,11 @@ LANES_MARGIN = 1.1
 CONTEXT_DROP, CONTEXT_SLACK = 2.0, 64.0
 
 
+def far_longer(context: float, than: float) -> bool:
+    """Is a mean context of ``context`` positions from another wave of requests than one of ``than``?"""
+    return context > CONTEXT_DROP * than + CONTEXT_SLACK
+
+
 @dataclass
 class StepSample:
     """One decode-only engine step: which mode ran it, its decode rows, the tokens they committed
@@ -117,7 +122,7 @@ class _Bucket:
         if self.latest is None or (not self.latest) not in self.context:
             return None
         older = not self.latest
-        return older if self.context[older] > CONTEXT_DROP * self.context[self.latest] + CONTEXT_SLACK else None
+        return older if far_longer(self.context[older], self.context[self.latest]) else None
 
 
 def bucket_of(rows: int) -> int:
@@ -202,8 +207,7 @@ class LanePolicy:
         # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
         # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
         # H100, forty-second run); later samples are averaged in
-        fresh = b.seen[mode] == 0 or (not sample.warmup and b.context.get(mode, 0.0)
-                                      > CONTEXT_DROP * sample.context + CONTEXT_SLACK)
+        fresh = b.seen[mode] == 0 or (not sample.warmup and far_longer(b.context.get(mode, 0.0), sample.context))
         b.seen[mode] += 1
         if sample.warmup:
             b.warmup[mode] = (sample.seconds, sample.tokens)
