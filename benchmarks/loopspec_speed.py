@@ -80,7 +80,9 @@ lane steps (``gap_ms``). Every ratio is taken against ``vanilla`` from the same 
 too when it ran (``speedup_vs_in_tree``). Writes the JSON and, beside it, a PNG (tok/s vs concurrency, one
 line per system) and each system's engine log (``*.SYSTEM.log``). ``--profile``: one more LoopSpec engine
 (lanes on, in-process) decodes one request (``--profile-requests N``: N at once) under ``torch.profiler``; the
-op table per lane step goes to ``*.profile.txt``.
+op table per lane step goes to ``*.profile.txt``. ``--policy-trace``: each LoopSpec system's engine writes its
+lanes policy's trace (``VLLM_LOOP_POLICY_TRACE``: one JSON line per engine step, with the mode, rows, tokens,
+seconds, whether it was a sample, mean context and the rates then) to ``*.SYSTEM.trace.jsonl``.
 
     python benchmarks/loopspec_speed.py --shape ouro-1.4b --concurrency 1 4 \\
         --out benchmarks/results/loopspec-speed-ouro-1.4b-h200.json
@@ -158,6 +160,11 @@ def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | N
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
+def policy_trace_path(out: str, system: str) -> Path:
+    """Where ``--policy-trace`` puts ``system``'s trace: beside ``--out``, as its engine log is."""
+    return Path(out).with_suffix(f".{system}.trace.jsonl")
+
+
 def ensure_checkpoint(shape: str, folder: Path, agreement: str) -> None:
     """``make_shape_checkpoint`` into ``folder`` unless it exists. Written beside it and renamed when
     whole, so a run cut short leaves nothing a later run would take for a checkpoint."""
@@ -220,6 +227,12 @@ def _start(args, system: str, max_num_seqs: int):
     gpu = torch.cuda.is_available()
     cfg = json.loads((Path(args.checkpoint) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
+    if args.policy_trace and system.startswith("loopspec"):
+        from vllm_loop.loopspec.scheduler import TRACE_ENV
+
+        trace = policy_trace_path(args.out, system)
+        trace.unlink(missing_ok=True)  # the scheduler appends: a rerun must not mix into an old trace
+        os.environ[TRACE_ENV] = str(trace)
     system, compilation, env, step_tokens = split_system(system)
     os.environ.update(env)  # read by the lane calls, in the engine's processes (started below)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
@@ -519,6 +532,8 @@ def main() -> int:
     ap.add_argument("--late", type=int, nargs="*", default=[],
                     help="late re-proposal depths of the *-late systems (e.g. --late 8 12 16 20)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--policy-trace", action="store_true",
+                    help="each LoopSpec system's lanes-policy trace to OUT.SYSTEM.trace.jsonl (a line per engine step)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.texts < 1:
@@ -561,7 +576,7 @@ def compare(args) -> int:
                "--dtype", args.dtype, "--out", args.out,
                "--eager", args.eager, "--prompts", args.prompts, "--temperature", str(args.temperature),
                "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--concurrency", *map(str, args.concurrency)] + \
-              schedule_args
+              schedule_args + (["--policy-trace"] if args.policy_trace else [])
         # the engine's log goes to a file beside --out as it runs: a run cut short still shows how far it got
         log = Path(args.out).with_suffix(f".{system}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
