@@ -22,12 +22,8 @@ their lanes afresh (after plain steps or their prefill): every pipeline is empty
 commits one token after R recurrent steps. The plain step right after a lanes-mode step: under async
 scheduling it is not pipelined behind another step, and it runs after the lane step's last work.
 A warm-up counts as a trial step but not in its mode's rate -- it is the price of switching, which
-the re-check budget pays -- unless a trial saw nothing else. A trial's steady samples count by their
-median (of two, the higher), and a trial whose first two steady samples are both clearly slower than the
-other mode ends there: one stalled step must not decide a trial, whose choice can stand for a whole wave
-of requests (at 128 requests on an H100 a lanes re-check at a new wave kept plain steps for all of it in
-one run and not in the next, forty-fourth run; a CPU model shows one step stalled by 60 ms doing that
-under a one-sample rule). (Before plain steps had warm-ups, a plain trial after
+the re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is
+clearly slower than the other mode ends there. (Before plain steps had warm-ups, a plain trial after
 lanes could end on its slow first step, and plain's rate stayed that step's: the likely reason lanes
 ran 141 of 259 steps at 64 requests on the H200 while losing, benchmarks/RESULTS.md, twelfth run.)
 Plain steps are samples only in a batch that does not change (``scheduler.step_sample``): a plain
@@ -67,7 +63,7 @@ _MODE = {True: "lanes", False: "plain"}
 # measured ones, so that a test can force every transition. An environment variable because the
 # policy lives in the engine-core process; it is not part of vLLM's compile hash.
 PATTERN_ENV = "VLLM_LOOP_LANES_PATTERN"
-# A trial ends after its first two steady samples when both show the mode below this share of the other's
+# A trial ends after its first steady sample when that shows the mode below this share of the other's
 # rate: at 64-128 requests on the H200 each further lane step of a trial costs ~1.5 plain steps' time
 # more than plain decoding would (benchmarks/RESULTS.md, ninth run).
 EARLY_END = 0.75
@@ -108,8 +104,8 @@ class _Bucket:
     step_s: dict[bool, float] = field(default_factory=dict)  # lanes? -> seconds per step (moving average)
     context: dict[bool, float] = field(default_factory=dict)  # lanes? -> mean context of its last rated sample
     seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # samples in this trial
-    # mode -> the steady (not warm-up) samples of its trial, (tokens/s, seconds); empty: its rate is a warm-up's
-    steady: dict[bool, list[tuple[float, float]]] = field(default_factory=lambda: {True: [], False: []})
+    # mode -> its rate comes from a steady (not warm-up) sample of this trial
+    steady: dict[bool, bool] = field(default_factory=lambda: {True: False, False: False})
     warmup: dict[bool, tuple[float, int]] = field(default_factory=dict)  # mode -> its last warm-up: seconds, tokens
     steps: int = 0  # decisions taken after both trials
     next_check: int = 0
@@ -197,7 +193,7 @@ class LanePolicy:
         if b.rate[best] <= 0:
             return self.recheck
         share = b.rate[other] / b.rate[best]
-        steps = 2 if share < EARLY_END else self.trial  # a clearly slower mode's trial ends early
+        steps = 1 if share < EARLY_END else self.trial  # a clearly slower mode's trial ends early
         cost = steps * b.step_s[other] * max(0.0, 1.0 - share)
         for seconds, tokens in b.warmup.values():  # there and back: one warm-up of each mode
             cost += max(0.0, seconds - tokens / b.rate[best])
@@ -210,30 +206,22 @@ class LanePolicy:
         mode, rate = sample.lanes, sample.tokens / sample.seconds
         # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
         # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
-        # H100, forty-second run); the rest of a trial's steady samples join by their median, later ones
-        # the moving average
+        # H100, forty-second run); later samples are averaged in
         fresh = b.seen[mode] == 0 or (not sample.warmup and far_longer(b.context.get(mode, 0.0), sample.context))
         b.seen[mode] += 1
-        in_trial, steady = b.seen[mode] <= self.trial, b.steady[mode]
         if sample.warmup:
             b.warmup[mode] = (sample.seconds, sample.tokens)
             if not fresh:
                 return  # the switch's price, not the mode's rate
-            b.steady[mode] = []  # a stand-in, until a steady sample of this trial replaces it
-            b.rate[mode], b.step_s[mode] = rate, sample.seconds
-        elif fresh or not steady:
-            b.steady[mode] = [(rate, sample.seconds)]
-            b.rate[mode], b.step_s[mode] = rate, sample.seconds
-        elif in_trial:  # one stalled step (a GC pause, say) must not decide a trial (see the docstring)
-            steady.append((rate, sample.seconds))
-            b.rate[mode], b.step_s[mode] = sorted(steady)[len(steady) // 2]
+            b.steady[mode] = False  # a stand-in, until a steady sample of this trial replaces it
         else:
-            for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
-                values[mode] += self.smoothing * (value - values[mode])
+            fresh, b.steady[mode] = fresh or not b.steady[mode], True
+        for values, value in ((b.rate, rate), (b.step_s, sample.seconds)):
+            old = values.get(mode)
+            values[mode] = value if old is None or fresh else old + self.smoothing * (value - old)
         b.context[mode], b.latest = sample.context, mode
-        # clearly the slower, twice: its trial ends here (warm-ups aside: slow whatever lanes can do)
-        if in_trial and len(b.steady[mode]) >= 2 and \
-                max(r for r, _ in b.steady[mode]) < EARLY_END * b.rate.get(not mode, 0.0):
+        # clearly the slower: its trial ends here (not on a warm-up, which is slow whatever lanes can do)
+        if fresh and not sample.warmup and rate < EARLY_END * b.rate.get(not mode, 0.0):
             b.seen[mode] = max(b.seen[mode], self.trial)
 
     def describe(self) -> dict[int, dict[str, float]]:
