@@ -298,6 +298,24 @@ def test_a_mode_s_average_restarts_when_its_contexts_drop():
     assert policy.describe()[64]["plain"] == pytest.approx(6000.0)
 
 
+def test_a_slower_sample_from_far_shorter_contexts_is_a_stall_not_a_new_wave():
+    """Shorter contexts are faster, so a steady sample from far shorter contexts that is slower than the
+    mode's average is a stalled step: it is averaged in, not taken as the new rate, and the faster mode
+    keeps running (it replaced the lanes' rate before, and plain steps ran on that; forty-fifth run's model)."""
+    policy = LanePolicy(trial=2, recheck=1000, smoothing=0.3)
+    for lanes, rate in ((True, 3000.0), (True, 3000.0), (False, 600.0)):  # plain's trial ends early
+        assert policy.lanes(4) is lanes
+        policy.observe(StepSample(lanes, 4, 4 * (3 if lanes else 1), 4 * (3 if lanes else 1) / rate, context=590.0))
+    assert policy.lanes(4) is True
+    policy.observe(StepSample(True, 4, 12, 12 / 220.0, context=40.0))  # a new wave's step, stalled
+    assert policy.describe()[4]["lanes"] == pytest.approx(3000.0 + 0.3 * (220.0 - 3000.0))
+    # plain's rate is from far longer contexts, so plain is re-checked first (``stale_mode``); then lanes run
+    for rate, warmup in ((300.0, True), (650.0, False)):
+        assert policy.lanes(4) is False
+        policy.observe(StepSample(False, 4, 4, 4 / rate, context=41.0, warmup=warmup))
+    assert [policy.lanes(4) for _ in range(5)] == [True] * 5
+
+
 def test_contexts_growing_at_128_requests_switch_rarely_and_never_lose_to_plain_alone():
     """The forty-second H100 run's 128-request case, as a model: a lane step commits 10.5 tokens a
     request (3 in a warm-up) and costs 80 ms + 0.36 ms per position, a plain step 11.2 ms + 0.028 ms per

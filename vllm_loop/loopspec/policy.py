@@ -40,7 +40,10 @@ it came every 4 decisions, with both modes' warm-ups each time (forty-second run
 round, a mode's older rate can come from much *longer* contexts than today's -- a new wave of requests
 after the last one finished -- and then it undersells that mode: it is re-checked at once, before the
 other runs on it (``stale_mode``); and a mode's own moving average starts afresh on a steady sample
-from far shorter contexts than its last one. On an H100 a lane rate from 594 positions a request once kept 64
+from far shorter contexts than its last one -- if that sample is not slower than the average: shorter
+contexts are faster, so a slower one is a stalled step (a GC pause, say). In a CPU model with random stalls
+(benchmarks/policy_stall_model.py, forty-fifth run) one such step at a new wave replaced the lanes' rate
+with a tenth of it, and plain steps ran the rest of the run where lanes were ~6x faster. On an H100 a lane rate from 594 positions a request once kept 64
 fresh requests on plain steps for 1,407 decisions (forty-first run), and at 128 requests a lane rate
 from 73 positions was weighed against plain's from 597 (forty-second run, benchmarks/RESULTS.md).
 
@@ -206,8 +209,10 @@ class LanePolicy:
         mode, rate = sample.lanes, sample.tokens / sample.seconds
         # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
         # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
-        # H100, forty-second run); later samples are averaged in
-        fresh = b.seen[mode] == 0 or (not sample.warmup and far_longer(b.context.get(mode, 0.0), sample.context))
+        # H100, forty-second run) unless it is slower, since shorter contexts are faster: that is a stalled
+        # step, and is averaged in like later samples
+        fresh = b.seen[mode] == 0 or (not sample.warmup and far_longer(b.context.get(mode, 0.0), sample.context)
+                                      and rate >= b.rate.get(mode, 0.0))
         b.seen[mode] += 1
         if sample.warmup:
             b.warmup[mode] = (sample.seconds, sample.tokens)
