@@ -41,11 +41,12 @@ round, a mode's older rate can come from much *longer* contexts than today's -- 
 after the last one finished -- and then it undersells that mode: it is re-checked at once, before the
 other runs on it (``stale_mode``); and a mode's own moving average starts afresh on a steady sample
 from far shorter contexts than its last one -- if that sample is not slower than the average: shorter
-contexts are faster, so a slower one is a stalled step (a GC pause, say). In a CPU model with random stalls
-(benchmarks/policy_stall_model.py, forty-fifth run) one such step at a new wave replaced the lanes' rate
-with a tenth of it, and plain steps ran the rest of the run where lanes were ~6x faster. On an H100 a lane rate from 594 positions a request once kept 64
-fresh requests on plain steps for 1,407 decisions (forty-first run), and at 128 requests a lane rate
-from 73 positions was weighed against plain's from 597 (forty-second run, benchmarks/RESULTS.md).
+contexts are faster, so a slower one is a stalled step (a GC pause, say). On an H100 a lane rate from 594
+positions a request once kept 64 fresh requests on plain steps for 1,407 decisions (forty-first run), and
+at 128 requests a lane rate from 73 positions was weighed against plain's from 597 (forty-second run,
+benchmarks/RESULTS.md). In a CPU model with random stalls (benchmarks/policy_stall_model.py, forty-fifth
+run) one stalled step at a new wave replaced the lanes' rate with a tenth of it, and plain steps ran the
+rest of the run where lanes were ~6x faster.
 
 ``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one process), so every
 tensor-parallel rank follows the same one.
