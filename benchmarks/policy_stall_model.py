@@ -67,15 +67,11 @@ def wave(policy, rows: int, n_tokens: int, lane_ms, plain_ms, tokens: float, war
     return seconds, lane_steps, switches
 
 
-def run(module, model: dict, seed: int, p: float, ms: float) -> tuple[float, int]:
-    """Seconds and lane steps of one benchmark run (``module`` None: plain steps only)."""
+def run(module, model: dict, seed: int, p: float, ms: float) -> float:
+    """Seconds of one benchmark run (``module`` None: plain steps only)."""
     rng, policy = random.Random(seed), module.LanePolicy() if module else None
-    sample = module.StepSample if module else today.StepSample
-    seconds = lane_steps = 0
-    for n in WAVES:
-        s, lanes, _ = wave(policy, n_tokens=n, stall=(p, ms, rng), sample=sample, **model)
-        seconds, lane_steps = seconds + s, lane_steps + lanes
-    return seconds, lane_steps
+    return sum(wave(policy, n_tokens=n, stall=(p, ms, rng), sample=(module or today).StepSample, **model)[0]
+               for n in WAVES)
 
 
 def load_rival(rev: str):
@@ -101,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
           + (f"; {args.rival} against today: runs >2 % slower / >2 % faster" if args.rival else ""))
     for name, model in MODELS.items():
         for p, ms in STALLS:
-            plain = [run(None, model, seed, p, ms)[0] for seed in range(args.seeds)]
-            times = {rule: [run(m, model, seed, p, ms)[0] for seed in range(args.seeds)] for rule, m in rules.items()}
+            plain = [run(None, model, seed, p, ms) for seed in range(args.seeds)]
+            times = {rule: [run(m, model, seed, p, ms) for seed in range(args.seeds)] for rule, m in rules.items()}
             cells = [f"{rule} {statistics.mean(b / t for b, t in zip(plain, ts)):.4f} "
                      f"({min(b / t for b, t in zip(plain, ts)):.4f})" for rule, ts in times.items()]
             if args.rival:
