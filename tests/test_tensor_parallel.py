@@ -11,15 +11,22 @@ decisions: their counters are compared), and requests that ask for logprobs deco
 ordinary path in the same engine, so both paths are checked with one engine start.
 
 vLLM 0.26's CPU platform refuses the Ray executor, so the engines use the multiprocessing executor;
-``VLLM_CPU_OMP_THREADS_BIND="0|1"`` gives each worker its own core (without it vLLM refuses to bind
-two workers to one NUMA node). The last test checks the sharded q/k norm without an engine, ranks
-simulated by threads, including replicated KV heads (fewer KV heads than ranks).
+``VLLM_CPU_OMP_THREADS_BIND="0|1"`` gives each worker its own core (without it vLLM refuses to bind two
+workers to one NUMA node). A TP engine whose start fails is started once more, and a warning in the test
+summary says so: the multiprocessing executor picks its distributed-init port by binding port 0 and
+closing it, and the workers bind it later (vllm-project/vllm#39015), a start that a busy machine can
+lose. CI lost one start on 2026-12-07, after ten CI runs on record that passed (its root cause fell
+outside the part of the log CI kept, so this race is the candidate, not the proven cause). A start that
+fails twice fails the test. The last test checks the sharded q/k norm without an engine, ranks simulated
+by threads, including replicated KV heads (fewer KV heads than ranks).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,6 +75,19 @@ def _lane_totals(worker) -> dict:
     return totals
 
 
+def _start_twice(path: str, **kw):
+    try:
+        return start_llm(path, **kw)
+    except RuntimeError as failed:
+        if "Engine core initialization failed" not in str(failed):
+            raise
+        reason = str(failed)
+    # out of the except block: the failed start's frames (and its processes' handles) are gone
+    warnings.warn(f"TP={TP} engine start failed once and was retried ({path}): {reason}", stacklevel=2)
+    gc.collect()
+    return start_llm(path, **kw)
+
+
 @contextmanager
 def _engine(ckpt_factory, name: str, **kw):
     from transformers import AutoTokenizer
@@ -75,7 +95,7 @@ def _engine(ckpt_factory, name: str, **kw):
     family, options = CHECKPOINTS[name]
     path = ckpt_factory(family, options=options)
     with worker_functions():  # collective_rpc(_tp_facts / _lane_totals)
-        llm = start_llm(path, tensor_parallel_size=TP, distributed_executor_backend="mp", max_model_len=256, **kw)
+        llm = _start_twice(path, tensor_parallel_size=TP, distributed_executor_backend="mp", max_model_len=256, **kw)
         try:
             facts = sorted(llm.collective_rpc(_tp_facts), key=lambda f: f["rank"])
             assert facts == [{"rank": r, "world": TP} for r in range(TP)], facts
