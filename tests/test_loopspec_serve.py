@@ -14,8 +14,9 @@ def server(ckpt_factory, tmp_path_factory):
     from vllm_loop.testing.engines import Server
 
     path = ckpt_factory("ouro", options={"agreement": "0.005"})
-    srv = Server(path, "--speculative-config", SPEC, log_path=str(tmp_path_factory.mktemp("serve") / "server.log"),
-                 served_name="tiny-ouro")
+    # a 256-token batch budget: longer prompts are prefilled in chunks (the seeded chunked-prefill test)
+    srv = Server(path, "--speculative-config", SPEC, "--max-num-batched-tokens", "256",
+                 log_path=str(tmp_path_factory.mktemp("serve") / "server.log"), served_name="tiny-ouro")
     srv.path = path
     yield srv
     srv.stop()
@@ -146,6 +147,93 @@ def test_client_disconnect_mid_stream_frees_kv_blocks_and_lanes(server):
     # and the server keeps serving
     ok = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [7], "max_tokens": 4})
     assert ok.status_code == 200
+
+
+def _greedy_served_exactly(server, prompt=(5, 17, 99, 3, 250), n=12) -> None:
+    """A normal request after a hostile one: served, and equal to the reference."""
+    from vllm_loop.reference import load_reference
+
+    r = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": list(prompt), "max_tokens": n,
+                                        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == load_reference(server.path).greedy_generate(list(prompt), n)
+
+
+@pytest.mark.engine
+def test_prompt_token_id_out_of_vocabulary_is_a_400_and_the_server_stays_up(server):
+    import json as _json
+
+    vocab = _json.load(open(f"{server.path}/config.json"))["vocab_size"]
+    for bad in ([1, 2, vocab], [vocab + 7], [3, -1]):
+        r = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": bad, "max_tokens": 4})
+        assert r.status_code == 400, (bad, r.status_code, r.text)
+        if min(bad) >= 0:  # vLLM's own schema refuses negative ids before the plugin sees them
+            assert "prompt" in r.text and "out of vocabulary" in r.text and f"0 to {vocab - 1}" in r.text, r.text
+    # the largest id is fine
+    ok = server.post("/v1/completions", {"model": "tiny-ouro", "prompt": [1, vocab - 1], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    _greedy_served_exactly(server)
+
+
+@pytest.mark.engine
+def test_seeded_request_with_a_chunked_prefill_is_served_reproducibly(server):
+    import random
+
+    prompt = [random.Random(4).randrange(1, 500) for _ in range(300)]  # > the 256-token batch budget
+    body = {"model": "tiny-ouro", "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "seed": 1,
+            "ignore_eos": True, "return_token_ids": True}
+    first = server.post("/v1/completions", body)
+    assert first.status_code == 200, first.text + server.log_tail()
+    again = server.post("/v1/completions", body)
+    assert again.status_code == 200, again.text
+    tokens = first.json()["choices"][0]["token_ids"]
+    assert len(tokens) == 8 and again.json()["choices"][0]["token_ids"] == tokens  # the seed's promise
+    _greedy_served_exactly(server)
+
+
+def _metric(server, name: str) -> float:
+    import requests
+
+    text = requests.get(f"{server.base}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.engine
+def test_live_lanes_gauge_returns_to_zero_after_an_abort_storm(server):
+    import threading
+    import time
+
+    import requests
+
+    seen_live = []
+
+    def stream_then_drop(i: int) -> None:
+        body = {"model": "tiny-ouro", "prompt": [3 + i, 1, 4, 1, 5], "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with requests.post(f"{server.base}/v1/completions", json=body, stream=True, timeout=120) as r:
+            lines = r.iter_lines()
+            for _ in range(6 + 2 * i):  # every client drops its connection at another point
+                next(lines)
+
+    clients = [threading.Thread(target=stream_then_drop, args=(i,)) for i in range(6)]
+    for c in clients:
+        c.start()
+    deadline = time.time() + 60
+    while any(c.is_alive() for c in clients) and time.time() < deadline:
+        seen_live.append(_metric(server, "vllm_loop:loopspec_lanes_live"))
+        time.sleep(0.2)
+    for c in clients:
+        c.join(timeout=60)
+    assert max(seen_live, default=0) > 0, f"the gauge never showed lanes while requests decoded: {seen_live}"
+    deadline = time.time() + 60
+    while (_metric(server, "vllm:num_requests_running") or _metric(server, "vllm_loop:loopspec_lanes_live")) \
+            and time.time() < deadline:
+        time.sleep(0.5)
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm_loop:loopspec_lanes_live") == 0
+    assert _metric(server, "vllm_loop:loopspec_lane_requests_live") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0
+    _greedy_served_exactly(server)
 
 
 def test_a_requested_shutdown_exits_zero(server):

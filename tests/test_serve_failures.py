@@ -42,5 +42,8 @@ def test_killed_worker_fails_the_server_clearly(tmp_path, monkeypatch):
         assert report["exit_code"] is not None, f"the server hung after losing a worker: {report}"
         assert report["exit_code"] != 0, f"exit status 0 after losing a worker: {report}\n{server.log_tail()}"
         assert report["new_request"] != 200, report
+        log = server.log_tail(10**7)
+        assert "the engine died while serving (see above); exiting with status 1" in log, log[-3000:]
+        assert "AttributeError" not in log, log[-3000:]
     finally:
         server.stop()

@@ -83,6 +83,8 @@ def install() -> None:
     install_loopspec()
     install_compiled_model_startup()
     install_server_exit_status()
+    install_prompt_vocab_check()
+    install_cpu_seeded_chunked_prefill()
 
 
 # --- start-up of the plugin's compiled models ----------------------------------------------------------
@@ -272,8 +274,10 @@ def install_server_exit_status() -> None:
     serve_http = api.serve_http
 
     async def serve_http_with_exit_status(app, *args, **kwargs):
-        shutdown = await serve_http(app, *args, **kwargs)
+        # read now: vLLM's lifespan handler deletes ``app.state`` when uvicorn stops, before
+        # ``serve_http`` returns
         client = getattr(app.state, "engine_client", None)
+        shutdown = await serve_http(app, *args, **kwargs)
         died = getattr(shutdown, "__name__", "") == "dummy_shutdown" and client is not None and client.errored
 
         async def finish():
@@ -287,6 +291,85 @@ def install_server_exit_status() -> None:
 
     serve_http_with_exit_status._vllm_loop = True
     api.serve_http = serve_http_with_exit_status
+
+
+# --- requests that would take an engine down --------------------------------------------------------
+
+
+def install_prompt_vocab_check() -> None:
+    """Upstream fix (vLLM 0.26; the check came with vllm-project/vllm#22471 and still admits ids up
+    to max(tokenizer ids, ``tokenizer.vocab_size``, model vocab - 1)): a prompt token id equal to the
+    tokenizer's ``vocab_size`` passes vLLM's check, and the embedding then raises ``IndexError`` in
+    the engine core, which dies and takes the server down with it. For the plugin's models, whose
+    embeddings have exactly ``vocab_size`` rows, a prompt id outside [0, vocab_size) is refused in the
+    front end instead (a ``ValueError``: HTTP 400 from the API server). Other models keep vLLM's
+    check; the hook can go once vLLM bounds prompt ids by the model's vocabulary."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_loop import plugin
+
+    original = InputProcessor._validate_model_input
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def validate_model_input(self, prompt_input, prompt_type, *args, **kwargs):
+        archs = getattr(self.model_config, "architectures", None) or []
+        ids = prompt_input.get("prompt_token_ids") if prompt_input.get("type") != "embeds" else None
+        if ids and any(a in plugin.MODELS for a in archs):
+            vocab = self.model_config.get_vocab_size()
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt: token id {bad} is out of vocabulary; allowed: token ids 0 to {vocab - 1} "
+                                 f"(the model's vocab_size is {vocab})")
+        return original(self, prompt_input, prompt_type, *args, **kwargs)
+
+    validate_model_input._vllm_loop = True
+    InputProcessor._validate_model_input = validate_model_input
+
+
+def install_cpu_seeded_chunked_prefill() -> None:
+    """Upstream fix (vLLM 0.26 on CPU, every model): a step that samples a token it then discards (a
+    prefill chunk that does not end the prompt) rewinds the request's generator with
+    ``set_offset(get_offset() - 4)`` in ``GPUModelRunner._bookkeeping_sync`` -- the Philox offset of a
+    CUDA generator. A CPU generator has no offset and raises ``RuntimeError: CPU Generator does not
+    use offset``: a seeded request with a chunked prefill killed the engine. The same effect on the
+    CPU: the generators of the rows to discard are saved before sampling and put back after it, so
+    the discarded draw leaves the request's random stream as if it had not happened (as the rewind
+    does on CUDA). Can go once vLLM's CPU runner stops rewinding CPU generators by offset."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+    if getattr(bookkeeping, "_vllm_loop", False):
+        return
+
+    def sample_hook(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        if generators:
+            discard = self.discard_request_mask.np[: self.input_batch.num_reqs]
+            self._vllm_loop_rewind = {int(i): generators[int(i)].get_state()
+                                      for i in discard.nonzero()[0] if int(i) in generators}
+        return sample(self, *args, **kwargs)
+
+    def bookkeeping_hook(self, *args, **kwargs):
+        saved, self._vllm_loop_rewind = getattr(self, "_vllm_loop_rewind", None), None
+        if not saved:
+            return bookkeeping(self, *args, **kwargs)
+        generators = self.input_batch.generators
+        held = {i: generators.pop(i) for i in saved if i in generators}  # vLLM's rewind skips them
+        for i, gen in held.items():
+            gen.set_state(saved[i])
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    sample_hook._vllm_loop_cpu_rewind = bookkeeping_hook._vllm_loop = True
+    GPUModelRunner._sample = sample_hook
+    GPUModelRunner._bookkeeping_sync = bookkeeping_hook
 
 
 # --- latent reasoning (COCONUT, CODI, LOTUS) ---------------------------------------------------
@@ -811,6 +894,21 @@ def _loopspec_runner(runner):
     return drafter if getattr(drafter, "loopspec", False) else None
 
 
+def _with_census(out, lanes):
+    """An output of an empty step (no tokens scheduled: it only tells the workers which requests
+    finished), with the runner's counters on a copy (vLLM's empty output is one shared object): the
+    step's lanes given back reach the live-lanes gauge although no request runs any more."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if out is not EMPTY_MODEL_RUNNER_OUTPUT:
+        return out
+    import copy
+
+    out = copy.copy(out)
+    out.loopspec = lanes.take_counters()
+    return out
+
+
 def install_loopspec_runner() -> None:
     """Decode steps of LoopSpec requests run lanes (``loopspec/runner.py``) instead of vLLM's
     forward. A lane step's output is what ``execute_model`` returns (``EngineCore.step`` then skips
@@ -846,7 +944,7 @@ def install_loopspec_runner() -> None:
         out = execute_model(self, scheduler_output, *args, **kwargs)
         # None: vLLM samples in sample_tokens next, where the lanes follow its tokens
         self._vllm_loop_scheduled = scheduler_output if out is None else None
-        return out
+        return _with_census(out, lanes)
 
     def sample_tokens_hook(self, grammar_output):
         lanes = _loopspec_runner(self)
@@ -860,7 +958,7 @@ def install_loopspec_runner() -> None:
             return out
         scheduled, self._vllm_loop_scheduled = getattr(self, "_vllm_loop_scheduled", None), None
         if scheduled is None:
-            return sample_tokens(self, grammar_output)
+            return _with_census(sample_tokens(self, grammar_output), lanes)
         if self.use_async_scheduling and not getattr(scheduled, "loopspec_lanes", True):
             out = sample_tokens(self, grammar_output)  # a pipelined plain step (AsyncGPUModelRunnerOutput)
             lanes.plain_step(scheduled.num_scheduled_tokens)

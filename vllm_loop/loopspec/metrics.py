@@ -230,13 +230,22 @@ class EngineCounters:
     # GPU has no lane work
     lane_step_gaps: int = 0
     lane_step_gap_seconds: float = 0.0
+    # gauges, not sums: the lanes and LoopSpec requests the runner holds after the step (an operator's
+    # check that finished, aborted and preempted requests give every lane back)
+    lanes_live: int = 0
+    lane_requests_live: int = 0
+
+    GAUGES = ("lanes_live", "lane_requests_live")
 
     def add(self, other: EngineCounters) -> None:
+        """Sum the counters; a gauge takes ``other``'s (the later) value."""
         for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            setattr(self, name, getattr(other, name) if name in self.GAUGES else getattr(self, name) + getattr(other, name))
 
     def minus(self, other: EngineCounters) -> EngineCounters:
-        return EngineCounters(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
+        """The counters' difference; a gauge keeps this one's value."""
+        return EngineCounters(**{n: getattr(self, n) if n in self.GAUGES else getattr(self, n) - getattr(other, n)
+                                 for n in self.__dataclass_fields__})
 
     @property
     def lane_step_gap_ms(self) -> float:

@@ -371,6 +371,8 @@ class LoopSpecRunner:
     def take_counters(self) -> EngineCounters:
         """This step's counters (attached to the step's output for the scheduler)."""
         step, self._step = self._step, EngineCounters()
+        step.lane_requests_live = len(self.live)
+        step.lanes_live = sum(len(x.pipe.lanes) for x in self.live.values())
         self.totals.add(step)
         return step
 

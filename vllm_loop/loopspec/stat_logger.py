@@ -15,8 +15,9 @@ Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{
 (lanes-mode steps that waited for the steps in flight), ``..._lane_step_seconds_total`` (the model
 runner's wall time in lane steps), ``..._lane_step_gaps_total`` and ``..._lane_step_gap_seconds_total``
 (consecutive lane steps, and the engine's wall time between them: no lane work on the GPU then), and the
-gauges ``vllm_loop:loopspec_gamma`` (tokens a request commits per R recurrent steps, since start)
-and ``vllm_loop:loopspec_lanes_per_step``.
+gauges ``vllm_loop:loopspec_gamma`` (tokens a request commits per R recurrent steps, since start),
+``vllm_loop:loopspec_lanes_per_step``, and the live ``vllm_loop:loopspec_lanes_live`` /
+``..._lane_requests_live`` (lanes and lane requests held after the engine's last step: 0 once idle).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def _prometheus() -> dict:
                                   "of a request (since start)", labels)
         _metrics["lanes_per_step"] = Gauge("vllm_loop:loopspec_lanes_per_step", "LoopSpec lanes advanced per "
                                            "recurrent step (since start)", labels)
+        _metrics["lanes_live"] = Gauge("vllm_loop:loopspec_lanes_live", "LoopSpec lanes held now (after the "
+                                       "engine's last step)", labels)
+        _metrics["lane_requests_live"] = Gauge("vllm_loop:loopspec_lane_requests_live", "Requests holding "
+                                               "LoopSpec lanes now (after the engine's last step)", labels)
     return _metrics
 
 
@@ -105,6 +110,8 @@ class LoopSpecStatLogger(StatLoggerBase):
         summary = totals.summary(self.R)
         m["gamma"].labels(*self.labels).set(summary["gamma"])
         m["lanes_per_step"].labels(*self.labels).set(summary["lanes_per_step"])
+        m["lanes_live"].labels(*self.labels).set(totals.lanes_live)
+        m["lane_requests_live"].labels(*self.labels).set(totals.lane_requests_live)
 
     def log(self):
         if not self.enabled:
