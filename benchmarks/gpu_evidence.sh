@@ -23,6 +23,12 @@
 #             timed = kernel-tests then merge-sweep (a part named twice in a run runs once)
 #   identity  fp32 greedy identity: lane graphs on and off, PyTorch and Triton lane attention
 #             = identity-ouro then identity-raven (Raven / Huginn layouts)
+#   serve     `vllm bench serve` through benchmarks/serve_compare.py: the Ouro-1.4B shape (agreement 0.001),
+#             vLLM's in-tree Ouro and LoopSpec, greedy and sampled (T=1, top-p 0.7), concurrency 1, 4, 8,
+#             16, a warm-up request set first; TTFT / TPOT / ITL percentiles and the JIT compilations each
+#             server logged while serving (OUTDIR/serve-ouro-1.4b/)
+#   no-jit    the GPU test that serves batches of 1-32 requests after start-up and finds no Triton
+#             compilation (also part of other-tests)
 #   gpu-tests every other GPU test = kernel-tests (the Triton kernels against PyTorch), parity-tests
 #             (smoke, Ouro parity, early exit, latent models), raven-parity-tests, nocompile-tests,
 #             async-tests, other-tests (mixed rows, sampling distribution, plain decode graphs, and any
@@ -94,6 +100,10 @@ for step in $steps; do
                       --profile-system loopspec-tuned --tuned benchmarks/results/huginn-0125-tune.json ;;
         huginn-4) speed 2 huginn-0125 0.001 huginn-0125-c4 vanilla,loopspec,loopspec-tuned 4 \
                       --tuned benchmarks/results/huginn-0125-tune.json ;;
+        serve) python3 benchmarks/serve_compare.py --shape ouro-1.4b --agreement 0.001 --systems in-tree,loopspec \
+                   --concurrency 1 4 8 16 --temperature 0 1 --num-prompts 32 --input-len 128 --output-len 128 \
+                   --checkpoint "$checkpoints/ouro-1.4b-0.001" --out "$out/serve-ouro-1.4b" ;;
+        no-jit) gpu_tests "without_triton_compilation" ;;
         merge-sweep) python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
         identity-ouro) gpu_tests "$identity_k and ouro" ;;
         identity-raven) gpu_tests "$identity_k and not ouro" ;;
@@ -103,7 +113,7 @@ for step in $steps; do
         nocompile-tests) gpu_tests "$nocompile_k" ;;
         async-tests) gpu_tests "$async_k" ;;
         other-tests) gpu_tests "$other_k" ;;
-        *) echo "unknown step $step; allowed: $all $speed_parts $huginn_parts $identity_parts merge-sweep" \
+        *) echo "unknown step $step; allowed: $all serve no-jit $speed_parts $huginn_parts $identity_parts merge-sweep" \
                 "$test_parts"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"

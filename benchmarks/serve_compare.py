@@ -1,11 +1,16 @@
 """`vllm serve` side by side, driven by vLLM's own `vllm bench serve`: in-tree Ouro, ours, ours + LoopSpec.
 
-For each system one server (same checkpoint, same flags; ``in-tree`` = vLLM 0.26's own
-OuroForCausalLM with this plugin not loaded, Ouro shapes only), then for every temperature x
-request rate x max concurrency one ``vllm bench serve`` run on the random dataset with a fixed
-seed. Per run: output tok/s, TTFT / TPOT / ITL percentiles (vLLM's numbers), and for LoopSpec the
-acceptance the server measured during that run (from ``/metrics``: gamma, commit shares, lanes per
-recurrent step). Writes ``results.json``, ``table.md`` and one PNG per temperature into ``--out``.
+For each system one server (same checkpoint, same flags, ``--max-model-len`` sized for the requested
+lengths; ``in-tree`` = vLLM 0.26's own OuroForCausalLM with this plugin not loaded, Ouro shapes
+only). Each server first takes a warm-up request set (recorded as a ``warmup`` row: what the first
+clients of a fresh server meet), then for every temperature x request rate x max concurrency one
+``vllm bench serve`` run on the random dataset with a fixed seed (``steady`` rows). Per row: output
+tok/s, TTFT / TPOT / ITL p50 and p99 (vLLM's numbers), the Triton compilations the server logged
+while serving so far (vLLM's jit monitor), and for LoopSpec the acceptance the server measured during
+that run (from ``/metrics``: gamma, commit shares, lanes per recurrent step); the LoopSpec server's
+lanes-policy trace is kept beside the results (``trace-loopspec.jsonl``). A run in which any request
+failed is an error: the count and the first error are printed, and no row is written. Writes
+``results.json``, ``table.md`` and one PNG per temperature into ``--out``.
 
     python benchmarks/serve_compare.py --shape tiny-ouro --out benchmarks/results/serve-compare-cpu
     python benchmarks/serve_compare.py --shape ouro-1.4b --agreement 0.005 --concurrency 1 4 16 64 \\
@@ -26,9 +31,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopspec_speed import SHAPES  # noqa: E402  (the same checkpoints as the offline benchmark)
 
+from vllm_loop.loopspec.scheduler import TRACE_ENV  # noqa: E402
 from vllm_loop.testing.engines import vllm_cli  # noqa: E402
 
 PERCENTILES = "50,90,99"
+JIT_LINE = "JIT compilation during inference"  # vLLM's jit monitor (vllm/utils/jit_monitor.py)
+
+
+def jit_compiles(log_path: str) -> list[str]:
+    """The kernels a server's log says were compiled while it served (vLLM warns once per kernel)."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.split(JIT_LINE + ": ", 1)[-1].split(".")[0] for line in text.splitlines() if JIT_LINE in line]
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -58,18 +74,38 @@ def acceptance(before: dict, after: dict, R: int) -> dict | None:
             "commits": n}
 
 
-def bench(base: str, name: str, ckpt: str, args, temperature: float, rate: str, conc: int, out: Path) -> dict:
-    fname = f"bench-{name}-t{temperature:g}-r{rate}-c{conc}.json"
+class FailedRequests(SystemExit):
+    """A benchmark run in which requests failed: never a row."""
+
+
+def bench(base: str, name: str, ckpt: str, args, temperature: float, rate: str, conc: int, out: Path,
+          num_prompts: int | None = None, tag: str = "") -> dict:
+    num_prompts = num_prompts or args.num_prompts
+    fname = f"bench-{name}{tag}-t{temperature:g}-r{rate}-c{conc}.json"
     cmd = [*vllm_cli(), "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "m", "--tokenizer", ckpt,
            "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
-           str(args.output_len), "--random-range-ratio", "0", "--num-prompts", str(args.num_prompts),
+           str(args.output_len), "--random-range-ratio", "0", "--num-prompts", str(num_prompts),
            "--max-concurrency", str(conc), "--request-rate", rate, "--seed", str(args.seed), "--temperature",
            str(temperature), "--ignore-eos", "--save-result", "--result-dir", str(out), "--result-filename", fname,
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", PERCENTILES, "--disable-tqdm"]
+    if temperature > 0 and args.top_p is not None:
+        cmd += ["--top-p", str(args.top_p)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({name}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads((out / fname).read_text())
+    res = json.loads((out / fname).read_text())
+    check_complete(res, num_prompts, f"{name}{tag}, T={temperature:g}, rate {rate}, concurrency {conc}")
+    return res
+
+
+def check_complete(res: dict, num_prompts: int, what: str) -> None:
+    """Raise ``FailedRequests`` (with the count and the first error) unless every request completed."""
+    failed = res.get("failed", 0) or 0
+    if failed or res.get("completed", 0) != num_prompts:
+        errors = [e for e in res.get("errors") or [] if e]
+        first = errors[0].strip()[:1000] if errors else "(no error text)"
+        raise FailedRequests(f"{what}: {failed} of {num_prompts} requests failed "
+                             f"({res.get('completed', 0)} completed); first error: {first}")
 
 
 def main() -> int:
@@ -81,8 +117,12 @@ def main() -> int:
     ap.add_argument("--systems", default="in-tree,vanilla,loopspec")
     ap.add_argument("--spec", default=None, help="speculative config JSON (default: the shape's)")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--top-p", type=float, default=0.7, help="top_p of the sampled runs (temperature > 0)")
     ap.add_argument("--request-rate", nargs="+", default=["inf"])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--warmup-prompts", type=int, default=None,
+                    help="requests of each server's warm-up set, at the largest concurrency (default: that "
+                         "concurrency; 0: no warm-up row)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
@@ -116,7 +156,9 @@ def main() -> int:
     cfg = json.loads((Path(ckpt) / "config.json").read_text())
     R = cfg.get("total_ut_steps") or cfg.get("mean_recurrence")
     systems = [s for s in args.systems.split(",") if s != "in-tree" or family == "ouro"]
-    common = ["--max-num-seqs", str(max(args.concurrency)), "--seed", str(args.seed)]
+    # sized for the requested lengths (a request past max_model_len would fail, not be measured)
+    max_len = args.input_len + args.output_len + 16
+    common = ["--max-num-seqs", str(max(args.concurrency)), "--seed", str(args.seed), "--max-model-len", str(max_len)]
     common += ["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else []
     common += ["--distributed-executor-backend", "ray"] if args.ray else []
     common += args.server_args.split() if args.server_args else []
@@ -133,9 +175,11 @@ def main() -> int:
             flags.append("--trust-remote-code")
         if system == "loopspec":
             flags += ["--speculative-config", json.dumps(spec)]
+            os.environ[TRACE_ENV] = str(out / "trace-loopspec.jsonl")  # the lanes policy's choices, step by step
         try:
             return Server(ckpt, *flags, log_path=str(out / f"server-{system}.log"), served_name="m", wait=False)
         finally:
+            os.environ.pop(TRACE_ENV, None)
             if saved is None:
                 os.environ.pop("VLLM_PLUGINS", None)
             else:
@@ -158,38 +202,55 @@ def main() -> int:
                 server = launch(system)
                 servers[system] = (server, ready(server, t0))
             server, startup = servers[system]
+            log = str(out / f"server-{system}.log")
+
+            def record(phase: str, temperature: float, rate: str, conc: int, num_prompts: int | None = None):
+                before = scrape(server.base) if system == "loopspec" else {}
+                res = bench(server.base, system, ckpt, args, temperature, rate, conc, out, num_prompts,
+                            "-warmup" if phase == "warmup" else "")
+                row = {"system": system, "phase": phase, "temperature": temperature, "request_rate": rate,
+                       "concurrency": conc, "startup_s": startup, "output_tok_s": res["output_throughput"],
+                       "completed": res["completed"], "jit_compiles": jit_compiles(log)}
+                for metric in ("ttft", "tpot", "itl"):
+                    row[f"mean_{metric}_ms"] = res[f"mean_{metric}_ms"]
+                    for p in PERCENTILES.split(","):
+                        row[f"p{p}_{metric}_ms"] = res[f"p{p}_{metric}_ms"]
+                if system == "loopspec":
+                    row["loopspec"] = acceptance(before, scrape(server.base), R)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+            warmup = max(args.concurrency) if args.warmup_prompts is None else args.warmup_prompts
+            if warmup:
+                record("warmup", args.temperature[0], "inf", max(args.concurrency), warmup)
             for temperature in args.temperature:
                 for rate in args.request_rate:
                     for conc in args.concurrency:
-                        before = scrape(server.base) if system == "loopspec" else {}
-                        res = bench(server.base, system, ckpt, args, temperature, rate, conc, out)
-                        row = {"system": system, "temperature": temperature, "request_rate": rate,
-                               "concurrency": conc, "startup_s": startup,
-                               "output_tok_s": res["output_throughput"], "completed": res["completed"]}
-                        for metric in ("ttft", "tpot", "itl"):
-                            row[f"mean_{metric}_ms"] = res[f"mean_{metric}_ms"]
-                            for p in PERCENTILES.split(","):
-                                row[f"p{p}_{metric}_ms"] = res[f"p{p}_{metric}_ms"]
-                        if system == "loopspec":
-                            row["loopspec"] = acceptance(before, scrape(server.base), R)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        record("steady", temperature, rate, conc)
             if not args.together:
                 server.stop()
     finally:
         for server, _ in servers.values():
             server.stop()
-    base = {(r["temperature"], r["request_rate"], r["concurrency"]): r for r in rows if r["system"] == "vanilla"}
-    for r in rows:
-        b = base.get((r["temperature"], r["request_rate"], r["concurrency"]))
-        r["vs_vanilla"] = r["output_tok_s"] / b["output_tok_s"] if b else None
+    for baseline in ("vanilla", "in-tree"):
+        base = {(r["phase"], r["temperature"], r["request_rate"], r["concurrency"]): r for r in rows
+                if r["system"] == baseline}
+        for r in rows:
+            b = base.get((r["phase"], r["temperature"], r["request_rate"], r["concurrency"]))
+            r[f"vs_{baseline.replace('-', '_')}"] = r["output_tok_s"] / b["output_tok_s"] if b else None
     meta = {"shape": args.shape, "together": args.together, "checkpoint": ckpt, "R": R, "spec": spec, "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed, "tp": args.tp,
-            "ray": args.ray, "device": "gpu" if on_gpu() else "cpu"}
+            "ray": args.ray, "top_p": args.top_p, "max_model_len": max_len, "device": _device()}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     write_table(rows, out / "table.md")
     plot(rows, out)
     return 0
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def _shares(ls: dict) -> str:
@@ -213,6 +274,8 @@ def combine(dirs: list[Path], out: Path) -> None:
         meta = run["meta"]
         shapes.setdefault(meta["shape"], []).append(run)
         for r in run["rows"]:
+            if r.get("phase", "steady") != "steady":
+                continue
             ls = r.get("loopspec") or {}
             lines.append(
                 f"| {meta['shape']} | {meta['tp']} | {'yes' if meta['ray'] else 'no'} | {r['system']} | "
@@ -228,7 +291,7 @@ def combine(dirs: list[Path], out: Path) -> None:
             tp = run["meta"]["tp"]
             for system in dict.fromkeys(r["system"] for r in run["rows"]):
                 pts = sorted((r["concurrency"], r["output_tok_s"], r["p50_tpot_ms"]) for r in run["rows"]
-                             if r["system"] == system and r["temperature"] == 0)
+                             if r["system"] == system and r["temperature"] == 0 and r.get("phase", "steady") == "steady")
                 style = "o-" if tp == 1 else "s--"
                 label = f"{system}, TP={tp}"
                 ax_tok.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
@@ -244,17 +307,22 @@ def combine(dirs: list[Path], out: Path) -> None:
 
 
 def write_table(rows: list[dict], path: Path) -> None:
-    lines = ["| system | T | rate | concurrency | output tok/s | vs vanilla | TTFT p50 / p99 ms | TPOT p50 ms "
-             "| ITL p50 / p99 ms | gamma | commits first / second / full |", "|" + "---|" * 11]
+    lines = ["| system | phase | T | rate | concurrency | output tok/s | vs vanilla | vs in-tree | TTFT p50 / p99 ms "
+             "| TPOT p50 / p99 ms | ITL p50 / p99 ms | JIT compiles logged | gamma | commits first / second / full |",
+             "|" + "---|" * 14]
+
+    def ratio(x):
+        return "" if x is None else f"{x:.2f}"
+
     for r in rows:
         ls = r.get("loopspec") or {}
-        ratio = "" if r["vs_vanilla"] is None else f"{r['vs_vanilla']:.2f}"
         gamma = f"{ls['gamma']:.2f}" if ls else ""
-        shares = _shares(ls)
         lines.append(
-            f"| {r['system']} | {r['temperature']:g} | {r['request_rate']} | {r['concurrency']} | "
-            f"{r['output_tok_s']:.1f} | {ratio} | {r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
-            f"{r['p50_tpot_ms']:.2f} | {r['p50_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} | {gamma} | {shares} |")
+            f"| {r['system']} | {r.get('phase', 'steady')} | {r['temperature']:g} | {r['request_rate']} | "
+            f"{r['concurrency']} | {r['output_tok_s']:.1f} | {ratio(r.get('vs_vanilla'))} | "
+            f"{ratio(r.get('vs_in_tree'))} | {r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
+            f"{r['p50_tpot_ms']:.2f} / {r['p99_tpot_ms']:.2f} | {r['p50_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} | "
+            f"{len(r.get('jit_compiles', []))} | {gamma} | {_shares(ls)} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -268,7 +336,8 @@ def plot(rows: list[dict], out: Path) -> None:
               ("p50_tpot_ms", "TPOT p50 (ms)"), ("p50_itl_ms", "ITL p50 (ms)"), ("p99_itl_ms", "ITL p99 (ms)")]
     for temperature in sorted({r["temperature"] for r in rows}):
         for rate in sorted({r["request_rate"] for r in rows}):
-            sel = [r for r in rows if r["temperature"] == temperature and r["request_rate"] == rate]
+            sel = [r for r in rows if r["temperature"] == temperature and r["request_rate"] == rate
+                   and r.get("phase", "steady") == "steady"]
             fig, axes = plt.subplots(2, 3, figsize=(13, 7))
             for ax, (key, label) in zip(axes.flat, panels):
                 for system in dict.fromkeys(r["system"] for r in sel):

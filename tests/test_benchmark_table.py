@@ -121,3 +121,32 @@ def test_texts_must_be_positive():
     proc = subprocess.run([sys.executable, str(script), "--texts", "0", "--out", "/tmp/unused.json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--texts 0: allowed: an integer >= 1" in proc.stderr
+
+
+def test_serve_compare_refuses_a_run_with_failed_requests():
+    """A `vllm bench serve` run with failed requests is an error naming the count and the first error,
+    never a row (a run once recorded only the requests that completed, without a word)."""
+    import pytest
+    from serve_compare import FailedRequests, check_complete
+
+    ok = {"completed": 16, "failed": 0, "errors": [""] * 16}
+    check_complete(ok, 16, "loopspec")
+    bad = {"completed": 10, "failed": 6, "errors": [""] * 10 + ["Bad Request: max_model_len is 512"] * 6}
+    with pytest.raises(FailedRequests, match=r"loopspec, c=8: 6 of 16 requests failed \(10 completed\); "
+                                             r"first error: Bad Request: max_model_len is 512"):
+        check_complete(bad, 16, "loopspec, c=8")
+    with pytest.raises(FailedRequests, match="0 of 16 requests failed"):  # silently short, nothing failed
+        check_complete({"completed": 15, "failed": 0}, 16, "x")
+
+
+def test_serve_compare_reads_jit_compilations_from_the_server_log(tmp_path):
+    from serve_compare import jit_compiles
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO ready\n"
+                   "WARNING 12-07 [jit_monitor.py:130] Triton kernel JIT compilation during inference: _lane_kernel. "
+                   "This causes a latency spike; consider extending warmup to cover this shape/config.\n"
+                   "WARNING 12-07 [jit_monitor.py:130] Triton kernel JIT compilation during inference: "
+                   "rejection_greedy_sample_kernel. This causes a latency spike.\n")
+    assert jit_compiles(str(log)) == ["_lane_kernel", "rejection_greedy_sample_kernel"]
+    assert jit_compiles(str(tmp_path / "missing.log")) == []

@@ -452,6 +452,61 @@ def test_loopspec_sampling_distribution(ckpt_factory):
     assert census["lanes"] == 0 and census["free_slots"] == census["slots"]
 
 
+def _record_triton_compiles(worker) -> None:
+    """From now on, record every Triton kernel compiled in this worker (Triton's post-compile hook, as
+    vLLM's jit monitor uses it; the monitor's own hook is kept)."""
+    from triton import knobs
+
+    existing, worker.test_compiles = knobs.runtime.jit_post_compile_hook, []
+
+    def hook(**kwargs):
+        worker.test_compiles.append(getattr(kwargs.get("fn"), "name", "?"))
+        return existing(**kwargs) if existing is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+
+
+def _triton_compiles(worker) -> list[str]:
+    return list(worker.test_compiles)
+
+
+def test_loopspec_serves_without_triton_compilation_after_start(ckpt_factory):
+    """A LoopSpec engine with the defaults a user gets (bf16, lanes policy auto, lane graphs, the lane
+    kernels) compiles every Triton kernel it will launch at start-up (``install_loopspec_warmup``):
+    serving batches of 1 to 32 requests, short and long contexts, greedy, sampled and logprobs requests
+    (vLLM's path) compiles nothing more, and no lane graph is captured while serving."""
+    from vllm import SamplingParams
+
+    from vllm_loop.loopspec.stat_logger import engine_totals
+
+    path = ckpt_factory("ouro", options={"agreement": "0.005"})
+    with worker_functions():
+        llm = start_llm(path, dtype="bfloat16", speculative_config={"method": "loopspec"}, max_model_len=512,
+                        max_num_seqs=32)
+        try:
+            llm.collective_rpc(_record_triton_compiles)
+            kinds = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                     SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+                     SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)]
+            waves = 0
+            for batch in (1, 2, 5, 16, 32):
+                for prompt_len in (4, 60, 300):
+                    for params in kinds:
+                        prompts = [[(7 * i + 3 * j) % 400 + 1 for j in range(prompt_len)] for i in range(batch)]
+                        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                        waves += 1
+            compiled = llm.collective_rpc(_triton_compiles)[0]
+            captured = llm.collective_rpc(_captured_lane_graphs)[0]
+        finally:
+            stop_llm(llm)
+    totals = engine_totals()
+    assert totals.lane_steps > 0 and totals.graph_captures == 0, vars(totals)
+    assert compiled == [], f"Triton compiled while serving: {sorted(set(compiled))}"
+    print(f"GPU LoopSpec engine: {waves} waves of 1-32 requests (greedy, sampled, logprobs; prompts of 4-300 "
+          f"tokens) after start-up: no Triton compilation, {captured} lane graphs all captured at start-up, "
+          f"{totals.lane_steps} lane steps, {totals.plain_steps} plain steps")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, D", [((16, 16), 128), ((8, 2), 64), ((4, 4), 96)], ids=["ouro", "gqa", "huginn-d96"])
 @pytest.mark.parametrize("prefix0, split, rope", [(37, {}, None), (1000, {}, None), (1000, {"split": 32}, None),

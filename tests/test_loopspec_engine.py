@@ -408,6 +408,20 @@ def test_aborts_and_preemption_leave_nothing_behind(ckpt_factory):
 
 
 # -- requests the lanes do not serve ---------------------------------------------------------------------------
+def _warm_rejection_sampler_here(worker) -> int:
+    """Run the warm-up's rejection-sampler calls in this (CPU) worker; -> how many calls returned tokens."""
+    from vllm_loop.vllm_patches import _warm_rejection_sampler
+
+    sampler, calls = worker.model_runner.rejection_sampler, []
+    forward = sampler.forward
+    sampler.forward = lambda *a, **k: calls.append(forward(*a, **k).sampled_token_ids.shape[0]) or None
+    try:
+        _warm_rejection_sampler(worker.model_runner, 16, cuda_only=False)
+    finally:
+        del sampler.forward
+    return len(calls)
+
+
 @pytest.mark.engine
 def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
     from vllm import SamplingParams
@@ -428,8 +442,13 @@ def test_requests_lanes_cannot_serve_decode_on_vllms_path(ckpt_factory):
                 llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, **bad), use_tqdm=False)
         again = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
         totals = runner_totals(llm)
+        # the start-up warm-up's rejection-sampler calls (CUDA only at start-up) are calls vLLM's own rejection
+        # sampler takes: every kind runs here on its CPU kernels, and the engine serves on afterwards
+        assert llm.collective_rpc(_warm_rejection_sampler_here)[0] == 36
+        after = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
     finally:
         stop_llm(llm)
     assert got == want
     assert [(list(o.outputs[0].token_ids), False) for o in again] == want[-len(prompts):]
+    assert [(list(o.outputs[0].token_ids), False) for o in after] == want[-len(prompts):]
     assert totals["lane_steps"] > 0

@@ -192,6 +192,25 @@ def test_padded_lane_calls_equal_exact_ones(kind):
     assert torch.equal(scratch.kv[:, others], kv0[:, others]) and torch.equal(scratch.states[others], states0[others])
 
 
+@pytest.mark.parametrize("kernel", [None, "kernel"], ids=["torch-attention", "lane-kernel"])
+def test_start_up_buckets_cover_every_shape_a_lane_call_can_take(kernel):
+    """The start-up warm-up captures ``LaneGraphs.buckets()``: every (rows, context) that ``shape`` can
+    give a lane call, so no lane step while serving meets a shape (a capture, a Triton compilation)
+    for the first time. On the CPU ``capture_all`` records each bucket without capturing."""
+    from types import SimpleNamespace
+
+    from vllm_loop.loopspec.lane_graphs import KINDS, LaneGraphs
+
+    paged, scratch = SimpleNamespace(block_size=16), SimpleNamespace(kv=torch.empty(0))
+    graphs = LaneGraphs(None, paged, scratch, table_width=32, ancestors=7, max_rows=200, capture=False,
+                        kernel=kernel)
+    buckets = set(graphs.buckets())
+    seen = {graphs.shape(n, context) for n in range(1, 257) for context in range(1, 32 * 16 + 2, 3)} - {None}
+    assert seen == buckets, (sorted(seen - buckets), sorted(buckets - seen))
+    assert graphs.capture_all() == 0 and len(graphs._graphs) == len(KINDS) * len(buckets)  # none captured on a CPU
+    assert graphs.capture_all() == 0 and len(graphs._graphs) == len(KINDS) * len(buckets)  # and only once
+
+
 class _NormPriorityProbe(_ToyLanes):
     """Records which RMSNorm implementations vLLM would dispatch to while a lane call runs."""
 

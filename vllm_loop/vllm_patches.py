@@ -590,6 +590,7 @@ def install_loopspec() -> None:
     install_loopspec_packed_kv()
     install_loopspec_runner()
     install_loopspec_decode_graphs()
+    install_loopspec_warmup()
     install_cpu_rejection_expand()
     install_cpu_seeded_sampling()
     install_cpu_loopspec_kv_layout()
@@ -980,6 +981,76 @@ def install_loopspec_runner() -> None:
         hook._vllm_loop = True
     GPUModelRunner.execute_model = execute_model_hook
     GPUModelRunner.sample_tokens = sample_tokens_hook
+
+
+def install_loopspec_warmup() -> None:
+    """No compilation while serving: vLLM warms its kernels up at start-up and then watches for
+    Triton compilations (``vllm/utils/jit_monitor.py``), but a LoopSpec engine launches kernels its
+    warm-up never met -- the lane calls' (``kernels/``), in every row bucket, and vLLM's rejection
+    sampler at the draft lengths and greedy / random mixes that verifying lane chains brings -- and
+    each one's first launch compiled it mid-stream (a 2 s inter-token stall under ``vllm bench
+    serve``). Right after vLLM warms its sampler (``Worker.compile_or_warm_up_model`` ->
+    ``GPUModelRunner._dummy_sampler_run``, the first call with a KV cache; the memory profile calls
+    it before there is one), the lanes capture every lane-graph bucket (``LoopSpecRunner.warm_up``)
+    and the rejection sampler runs on dummy drafts of each kind (``_warm_rejection_sampler``)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._dummy_sampler_run
+    if getattr(original, "_vllm_loop", False):
+        return
+
+    def dummy_sampler_run(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        lanes = _loopspec_runner(self)
+        if lanes is not None and self.kv_caches and not getattr(lanes, "warmed_up", False):
+            lanes.warmed_up = True
+            lanes.warm_up(self)
+            _warm_rejection_sampler(self, lanes.num_spec_tokens)
+        return out
+
+    dummy_sampler_run._vllm_loop = True
+    GPUModelRunner._dummy_sampler_run = dummy_sampler_run
+
+
+def _warm_rejection_sampler(runner, max_drafts: int, *, cuda_only: bool = True) -> None:
+    """Run vLLM's rejection sampler once for each kind of call a LoopSpec engine makes, so that each
+    Triton kernel it launches compiles now: all greedy, all random (top-p, seeded or not) and mixed
+    rows; 1, a few and 16 requests with 1, a few and 16 drafts each (Triton specializes an integer
+    argument on being 1 or a multiple of 16). CUDA only: vLLM's CPU build runs no Triton here."""
+    if cuda_only and runner.device.type != "cuda":
+        return
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    vocab = runner.model_config.get_vocab_size()
+    max_reqs = runner.scheduler_config.max_num_seqs
+    dev = runner.device
+
+    def metadata(n: int, kind: str) -> SamplingMetadata:
+        full = lambda v: torch.full((n,), v, device=dev, dtype=torch.float32)  # noqa: E731
+        temperature = full(0.0) if kind == "greedy" else full(0.8)
+        if kind == "mixed":
+            temperature[::2] = 0.0
+        return SamplingMetadata(
+            temperature=temperature, all_greedy=kind == "greedy", all_random=kind in ("random", "seeded"),
+            top_p=None if kind == "greedy" else full(0.7), top_k=None,
+            generators={0: torch.Generator(device=dev).manual_seed(0)} if kind == "seeded" else {},
+            max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=full(0.0),
+            presence_penalties=full(0.0), repetition_penalties=full(1.0), output_token_ids=[[] for _ in range(n)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+            spec_token_ids=[[] for _ in range(n)])
+
+    with torch.inference_mode():
+        for n in sorted({min(k, max_reqs) for k in (1, 3, 16)}):
+            for drafts in sorted({min(k, max_drafts) for k in (1, 3, 16)}):
+                spec = SpecDecodeMetadata.make_dummy([[0] * drafts for _ in range(n)], dev)
+                logits = torch.randn(n * (drafts + 1), vocab, device=dev, dtype=runner.model_config.dtype)
+                for kind in ("greedy", "random", "seeded", "mixed"):
+                    runner.rejection_sampler(spec, None, logits.clone(), metadata(n, kind))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def install_loopspec_decode_graphs() -> None:

@@ -203,6 +203,27 @@ class LaneGraphs:
             return None
         return rows, ctx
 
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, context) ``shape`` can return: with the kernel one context, else each power of two
+        from ``MIN_CONTEXT`` up to the block table's reach, within ``MAX_CELLS``."""
+        rows = [1 << i for i in range(self.max_rows.bit_length())]
+        if self.kernel is not None:
+            return [(r, self.max_context) for r in rows]
+        contexts = sorted({min(max(self.MIN_CONTEXT, 1 << i), self.max_context)
+                           for i in range(self.max_context.bit_length() + 1)})
+        return [(r, c) for r in rows for c in contexts if r * c <= self.MAX_CELLS]
+
+    def capture_all(self) -> int:
+        """Capture every bucket of every kind now (engine start-up), so that no lane step while serving
+        pays for a capture or for the Triton compilations its first replay of a shape would trigger.
+        Returns the number captured."""
+        before = self.captured
+        for rows, context in self.buckets():
+            for kind in KINDS:
+                if (kind, rows, context) not in self._graphs:
+                    self._graphs[(kind, rows, context)] = self._capture(kind, rows, context)
+        return self.captured - before
+
     def __call__(self, kind: str, batch: LaneBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run ``kind`` on ``batch`` (built with ``self.shape``'s rows and context, ``self.ancestors``).
         Returns the logits and argmax of the real rows (``logits``), else None."""

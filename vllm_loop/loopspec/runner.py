@@ -40,7 +40,7 @@ from torch.profiler import record_function
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs, schedule_of
-from vllm_loop.loopspec.lane_graphs import DEPTH, PREFIX, LaneBatch, LaneGraphs, lane_call, upload
+from vllm_loop.loopspec.lane_graphs import DEPTH, KINDS, PREFIX, LaneBatch, LaneGraphs, lane_call, upload
 from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
@@ -252,6 +252,20 @@ class LoopSpecRunner:
             if not hasattr(model, name):
                 raise ValueError(f"LoopSpec needs a looped model with lanes; {type(model).__name__} has no {name}")
         self.model = model
+
+    def warm_up(self, runner) -> None:
+        """At engine start-up, once the KV cache exists: capture every lane-graph bucket (and with it
+        compile every Triton kernel the lane calls launch, for every shape they meet), so that serving
+        never stalls on a capture or a compilation. Nothing to do without lane graphs (the CPU, tensor
+        parallelism, ``lane_graphs: "off"``)."""
+        if not self.use_graphs or not self.cuda:
+            return
+        self._ensure_storage(runner)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            n = self.graphs.capture_all()
+        logger.info("LoopSpec lanes: %d lane graphs captured at start-up in %.1f s (%d row buckets x %s)", n,
+                    time.perf_counter() - start, len(self.graphs.buckets()), "/".join(KINDS))
 
     def propose(self, sampled_token_ids, *args, **kwargs):
         """vLLM asks after its own steps; the real drafts are set in ``after_standard_step``."""
