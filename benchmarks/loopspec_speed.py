@@ -53,6 +53,8 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   step (the lanes policy's test pattern, ``VLLM_LOOP_LANES_PATTERN=P``): what a LoopSpec engine's plain
   steps cost against ``vanilla`` with no lane step at all (``loopspec-auto`` against it: what the
   policy's lane steps cost or gain);
+* ``SYSTEM-cascade`` (a LoopSpec system above) -- sampled requests verified by the paper's cascade on the
+  host (``"sampling": "cascade"``) instead of coupled sampling on the GPU (the default; ``noise.py``);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
 * ``SYSTEM-nocompile`` (any system above) -- the same engine without ``torch.compile``:
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
@@ -157,6 +159,14 @@ def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | N
             return system, compilation, env, step_tokens
 
 
+def sampling_suffix(system: str) -> tuple[str, str | None]:
+    """``SYSTEM-cascade`` (a LoopSpec system): the paper's cascade for sampled requests instead of the
+    default coupled sampling (``"sampling": "cascade"``). -> (the system without it, the mode or None)."""
+    if system.startswith("loopspec") and "-cascade" in system:
+        return system.replace("-cascade", "", 1), "cascade"
+    return system, None
+
+
 PROMPT_LEN, SHORT, LONG = 32, 64, 576
 
 
@@ -233,6 +243,7 @@ def _start(args, system: str, max_num_seqs: int):
         trace = policy_trace_path(args.out, system)
         trace.unlink(missing_ok=True)  # the scheduler appends: a rerun must not mix into an old trace
         os.environ[TRACE_ENV] = str(trace)
+    system, sampling = sampling_suffix(system)
     system, compilation, env, step_tokens = split_system(system)
     os.environ.update(env)  # read by the lane calls, in the engine's processes (started below)
     kw = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max_num_seqs, seed=0,
@@ -243,6 +254,8 @@ def _start(args, system: str, max_num_seqs: int):
     if system.startswith("loopspec"):
         spec = json.loads(args.spec)
         spec["lanes"] = "auto" if system.startswith("loopspec-auto") else "on"
+        if sampling:
+            spec["sampling"] = sampling
         kw["speculative_config"] = spec
     if system.endswith("-serial"):
         kw["speculative_config"]["lane_overlap"] = "off"
@@ -547,7 +560,8 @@ def main() -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
-    unknown = [x for x in args.systems.split(",") + [args.profile_system] if split_system(x)[0] not in SYSTEMS]
+    unknown = [x for x in args.systems.split(",") + [args.profile_system]
+               if split_system(sampling_suffix(x)[0])[0] not in SYSTEMS]
     if unknown:
         ap.error(f"--systems / --profile-system: unknown {', '.join(unknown)}; allowed: {', '.join(SYSTEMS)} "
                  f"(each also as SYSTEM{' or SYSTEM'.join(COMPILATION)})")

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from loopspec_speed import _prompts, decode_rate, nominal_bandwidth, side_by_side, split_system  # noqa: E402
+from loopspec_speed import _prompts, decode_rate, nominal_bandwidth, sampling_suffix, side_by_side, split_system  # noqa: E402
 
 
 def _row(c: int, tok_s: float, t_short: float, t_long: float, tokens: list[list[int]], **extra) -> dict:
@@ -70,6 +70,13 @@ def test_system_suffixes():
     assert split_system("loopspec-auto-plainonly") == ("loopspec-auto", None, {"VLLM_LOOP_LANES_PATTERN": "P"}, None)
     assert split_system("loopspec-tuned-fullgraphs") == (
         "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}, {}, None)
+
+
+def test_cascade_suffix_picks_the_sampling_mode():
+    assert sampling_suffix("loopspec-auto-cascade") == ("loopspec-auto", "cascade")
+    assert sampling_suffix("loopspec-cascade-plainonly") == ("loopspec-plainonly", "cascade")
+    assert sampling_suffix("loopspec-auto") == ("loopspec-auto", None)
+    assert sampling_suffix("vanilla-cascade") == ("vanilla-cascade", None)  # not a LoopSpec system
 
 
 def test_profile_floor_bandwidth_follows_the_gpu():

@@ -51,6 +51,7 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert cfg.additional_config["loopspec"] == {"R": 4, "d1": 1, "d2": 2, "gate": True, "late": [], "max_lanes": 7,
                                                   "lanes": "auto", "lane_graphs": "auto",
                                                   "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
+                                                  "sampling": "auto",
                                                   "async": "auto"}
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -63,6 +64,7 @@ def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     assert cfg.additional_config["loopspec"] == {"R": 32, "d1": 2, "d2": 8, "gate": False, "late": [], "max_lanes": 64,
                                                   "lanes": "auto", "lane_graphs": "auto",
                                                   "lane_attention": "auto", "lane_overlap": "auto", "step_tokens": 16,
+                                                  "sampling": "auto",
                                                   "async": "auto"}
     assert cfg.speculative_config.num_speculative_tokens == 16
 
@@ -142,6 +144,8 @@ BAD = [
     ({"method": "loopspec", "step_tokens": 1000},
      "step_tokens=1000 is invalid: allowed 0 (the lane chain alone) to 256"),
     ({"method": "loopspec", "step_tokens": "16"}, "step_tokens='16' is invalid: step_tokens must be an integer"),
+    ({"method": "loopspec", "sampling": "gumbel"},
+     "sampling='gumbel' is invalid; allowed values: 'auto', 'coupled', 'cascade'"),
 ]
 
 

@@ -269,7 +269,8 @@ SAMPLING_CASES = {  # name -> (lane sampling params as dict, samples)
 
 
 @pytest.fixture(scope="module")
-def sampling_setup(ckpt_factory):
+def sampling_baseline(ckpt_factory):
+    """The checkpoint, the exact distributions, and vanilla vLLM's own samples."""
     from vllm_loop.loopspec.proposals import SamplingParams as LaneParams
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.distribution import exact_tree
@@ -284,8 +285,15 @@ def sampling_setup(ckpt_factory):
         ordinary = {name: _samples(vanilla, p, n, seed0=10**6) for name, (p, n) in SAMPLING_CASES.items()}
     finally:
         stop_llm(vanilla)
-    llm = _engine(path, {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2}, max_num_seqs=64)
-    yield {"llm": llm, "exact": exact, "ordinary": ordinary}
+    return {"path": path, "ref": ref, "exact": exact, "ordinary": ordinary}
+
+
+@pytest.fixture(scope="module", params=["coupled", "cascade"])
+def sampling_setup(request, sampling_baseline):
+    """A LoopSpec engine (lanes on) of each sampling mode (``sampling``: coupled noise, the cascade)."""
+    llm = _engine(sampling_baseline["path"], {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2,
+                                              "sampling": request.param}, max_num_seqs=64)
+    yield sampling_baseline | {"llm": llm, "mode": request.param}
     stop_llm(llm)
 
 
@@ -320,20 +328,59 @@ def test_sampling_distribution_matches_vanilla(sampling_setup, name):
 
 @pytest.mark.engine
 def test_broken_verifier_fails_the_same_test(sampling_setup, monkeypatch):
-    """Accepting the first proposal without the ratio test samples tokens 2..3 from p_d1."""
+    """Mutation: accepting the first proposal without the test (the cascade's ratio test; coupled: the
+    comparison with the target's noisy argmax) samples tokens 2..3 from p_d1."""
     import vllm_loop.loopspec.pipeline as pipeline_mod
     from vllm_loop.loopspec.verify import CommitSource, Verdict
     from vllm_loop.testing.distribution import chi2_gof, chi2_two_sample
 
-    def accept_always(p, first, second=None, rng=None):
-        return Verdict(first.token, CommitSource.FIRST)
+    if sampling_setup["mode"] == "cascade":
+        def accept_always(p, first, second=None, rng=None):
+            return Verdict(first.token, CommitSource.FIRST)
 
-    monkeypatch.setattr(pipeline_mod, "cascade_verify", accept_always)
+        monkeypatch.setattr(pipeline_mod, "cascade_verify", accept_always)
+    else:
+        def accept_always(target, first, second=None, late=()):
+            return Verdict(first, CommitSource.FIRST)
+
+        monkeypatch.setattr(pipeline_mod, "cascade_verify_greedy", accept_always)
     params, n = SAMPLING_CASES["top-k"]
     counts = _samples(sampling_setup["llm"], params, n, seed0=5000)
     assert chi2_two_sample(counts, sampling_setup["ordinary"]["top-k"]) < ALPHA
     exact = sampling_setup["exact"]["top-k"]
     assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("sampling_setup", ["coupled"], indirect=True)
+def test_coupled_sampling_equals_coupled_decoding_of_the_reference(sampling_setup):
+    """Coupled mode, seeded requests of mixed temperatures and filters in one batch (and greedy ones
+    beside them), every decode step a lane step: after the first token (vLLM's own sampler), every
+    token equals the reference decoding with the same noise (``executor.coupled_generate``), token
+    for token; the same seed gives the same text twice."""
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_loop.loopspec.executor import GenerationRequest, coupled_generate
+    from vllm_loop.loopspec.proposals import SamplingParams as LaneParams
+
+    llm, ref = sampling_setup["llm"], sampling_setup["ref"]
+    kinds = [dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.7), dict(temperature=0.7, top_p=0.95),
+             dict(temperature=1.3), dict(temperature=0.0)]
+    prompts = [[3 + i, 14, 15, 9 + 2 * i] for i in range(10)]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    sps = [SamplingParams(max_tokens=16, seed=70 + i, ignore_eos=True, **p) for i, p in enumerate(params)]
+    before = runner_totals(llm)
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                                 use_tqdm=False)]
+    after = runner_totals(llm)
+    again = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                                  use_tqdm=False)]
+    assert again == outs
+    assert after["lane_steps"] > before["lane_steps"] and after["standard_steps"] == before["standard_steps"]
+    for i, (prompt, got) in enumerate(zip(prompts, outs)):
+        req = GenerationRequest(prompt + got[:1], 15, sampling=LaneParams(**params[i]))
+        assert got[1:] == coupled_generate(ref, req, 70 + i, dtype=torch.float32), (i, params[i])
 
 
 def _cpu_attention_isas(worker) -> list[str]:

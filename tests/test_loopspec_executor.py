@@ -307,3 +307,93 @@ def test_broken_verifier_is_detected(sampling_case, monkeypatch):
     counts, _ = _loopspec_samples(model, schedule, n)
     assert chi2_two_sample(counts, ordinary) < ALPHA
     assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA
+
+
+# -- coupled sampling (noise.py): the same noise at every depth of a position ---------------------------------
+COUPLED_PARAMS = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.7),
+                  SamplingParams(temperature=0.7, top_k=20, top_p=0.95), SamplingParams(temperature=1.3)]
+
+
+@pytest.mark.parametrize("params", COUPLED_PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_coupled_loopspec_equals_coupled_decoding_token_for_token(ouro_models, raven_models, params):
+    """Coupled LoopSpec commits, at every position, the target's own noisy argmax: its tokens equal
+    ordinary full-depth decoding with the same sampler and key, token for token, whatever the
+    proposals were (exactness of that sampler: the distribution tests below)."""
+    from vllm_loop.loopspec.executor import coupled_generate
+
+    cases = [(ouro_models["agreement"], LoopSpecSchedule(4, 1, 2)), (ouro_models["random"], LoopSpecSchedule(4, 1, 2)),
+             (raven_models["agreement"], LoopSpecSchedule(32, 2, 8))]
+    for model, schedule in cases:
+        reqs = [GenerationRequest(p, 12, sampling=params, seed=100 + i) for i, p in
+                enumerate([[1, 2, 3], [5, 6, 7, 8, 9], [4, 10], [11, 12, 13, 14]])]
+        out = PipelinedExecutor(model, schedule, coupled=True).generate(reqs)
+        for req, got in zip(reqs, out.tokens):
+            assert got == coupled_generate(model, req, req.seed), (schedule.describe(), req.prompt)
+
+
+def test_coupled_sampler_draws_the_filtered_distribution():
+    """``noise.coupled_sample`` at many (key, position) pairs is a sample of ``filter_probs``'s
+    distribution (chi-square), for each filter; ignoring the position (one noise for every position)
+    draws the same token every time and fails."""
+    from scipy.stats import chisquare
+
+    from vllm_loop.loopspec.noise import coupled_sample
+
+    g = torch.Generator().manual_seed(3)
+    n = 20000
+    for params in COUPLED_PARAMS:
+        logits = torch.randn(40, generator=g, dtype=torch.float64) * 2
+        probs = filter_probs(logits, params)
+
+        def draw(positions):
+            return coupled_sample(logits.expand(n, -1), torch.full((n,), params.temperature, dtype=torch.float64),
+                                  torch.full((n,), params.top_k), torch.full((n,), params.top_p, dtype=torch.float64),
+                                  torch.full((n,), 9), positions)
+
+        counts = torch.bincount(draw(torch.arange(n)), minlength=40).double()
+        keep = probs > 0
+        assert counts[~keep].sum() == 0, params  # nothing the filter removed
+        assert chisquare(counts[keep].numpy(), (probs[keep] * n).numpy()).pvalue > ALPHA, params
+        frozen = torch.bincount(draw(torch.zeros(n, dtype=torch.long)), minlength=40)
+        assert int((frozen > 0).sum()) == 1  # a broken noise (the same at every position) is caught
+
+
+def test_coupled_filter_equals_filter_probs():
+    from vllm_loop.loopspec.noise import filter_logits
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(COUPLED_PARAMS), 300, generator=g, dtype=torch.float64) * 3
+    got = torch.softmax(filter_logits(logits, torch.tensor([p.temperature for p in COUPLED_PARAMS], dtype=torch.float64),
+                                      torch.tensor([p.top_k for p in COUPLED_PARAMS]),
+                                      torch.tensor([p.top_p for p in COUPLED_PARAMS], dtype=torch.float64)), -1)
+    for i, params in enumerate(COUPLED_PARAMS):
+        torch.testing.assert_close(got[i], filter_probs(logits[i], params), rtol=0, atol=1e-12)
+
+
+def _coupled_samples(model, schedule, n: int, seed0: int = 0) -> tuple[Counter, object]:
+    reqs = [GenerationRequest(PROMPT, N_TOKENS, sampling=PARAMS, seed=seed0 + i) for i in range(n)]
+    out = PipelinedExecutor(model, schedule, coupled=True).generate(reqs)
+    return Counter(tuple(t) for t in out.tokens), out
+
+
+def test_coupled_sampling_matches_ordinary_sampling(sampling_case):
+    model, schedule, n, exact, ordinary = sampling_case
+    counts, out = _coupled_samples(model, schedule, n)
+    st = out.stats
+    assert st.first > 0 and st.second > 0 and st.full > 0 and st.gate_opens > 0  # every branch ran
+    assert chi2_gof(counts, exact, n) > ALPHA
+    assert chi2_two_sample(counts, ordinary) > ALPHA
+
+
+def test_broken_coupled_verifier_is_detected(sampling_case, monkeypatch):
+    """Mutation: accepting the first proposal without comparing it with the target's noisy argmax
+    commits samples of p_d1: the same tests fail."""
+    model, schedule, n, exact, ordinary = sampling_case
+
+    def accept_always(target, first, second=None, late=()):
+        return Verdict(first, CommitSource.FIRST)
+
+    monkeypatch.setattr(pipeline_mod, "cascade_verify_greedy", accept_always)
+    counts, _ = _coupled_samples(model, schedule, n)
+    assert chi2_two_sample(counts, ordinary) < ALPHA
+    assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA

@@ -29,7 +29,10 @@ see ``lane_graphs.py``), ``lane_attention`` (``"auto"``, the default: the Triton
 ``"torch"``: that one; measured on the H200 in benchmarks/RESULTS.md), ``lane_overlap``
 (``"auto"``, the default: in a lane step of greedy requests, each recurrent step is enqueued on the
 likely outcome of the one before, so the GPU computes while the host decides; ``"off"``: one after
-the other, see ``runner.py``), ``step_tokens`` (default 16: each request is scheduled at least this
+the other, see ``runner.py``), ``sampling`` (``"auto"``, the default, = ``"coupled"``: a sampled
+request's readouts are its noisy argmaxes, drawn on the GPU with one noise per position that every
+depth shares, and it is verified as greedy is, see ``noise.py``; ``"cascade"``: the paper's cascade on
+filtered distributions, decided on the host), ``step_tokens`` (default 16: each request is scheduled at least this
 many drafts a step, its lane chain padded to it, so a lane step may commit up to 1 + that many tokens
 a request before vLLM's scheduler runs again, and above 16 may run that many recurrent steps while no
 request waits to join, see ``runner.py``; 0: the chain alone; at most 256). Both depths omitted:
@@ -59,10 +62,11 @@ MAX_STEP_TOKENS = 256
 
 METHOD = "loopspec"
 KEYS = ("method", "d1", "d2", "gate", "late", "max_lanes", "lanes", "lane_graphs", "lane_attention", "lane_overlap",
-        "step_tokens")
+        "step_tokens", "sampling")
 LANE_GRAPHS = ("auto", "on", "off")
 LANE_OVERLAP = ("auto", "off")
 LANE_ATTENTION = ("auto", "torch", "triton")
+SAMPLING = ("auto", "coupled", "cascade")
 DEFAULT_LANE_CAP = 64
 RUNNER = "vllm_loop.loopspec.runner.LoopSpecRunner"
 SCHEDULER = "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
@@ -159,6 +163,7 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     graphs = _choice(config, "lane_graphs", LANE_GRAPHS)
     attention = _choice(config, "lane_attention", LANE_ATTENTION)
     overlap = _choice(config, "lane_overlap", LANE_OVERLAP)
+    sampling = _choice(config, "sampling", SAMPLING)
     step_tokens = _field(config, "step_tokens")
     step_tokens = STEP_TOKENS if step_tokens is None else step_tokens
     if not 0 <= step_tokens <= MAX_STEP_TOKENS:
@@ -167,7 +172,7 @@ def translate(config: dict, model_config) -> tuple[dict, dict]:
     knobs = {"R": R, "d1": schedule.d1, "d2": schedule.d2, "gate": schedule.gate, "late": list(schedule.late),
              "max_lanes": max_lanes,
              "lanes": lanes, "lane_graphs": graphs, "lane_attention": attention, "lane_overlap": overlap,
-             "step_tokens": step_tokens}
+             "step_tokens": step_tokens, "sampling": sampling}
     spec = {"method": "custom_class", "model": RUNNER,
             "num_speculative_tokens": max(math.ceil(R / schedule.d1), step_tokens)}
     logger.info("LoopSpec on: %s, lanes per request <= %d, lanes %s (%s)", schedule.describe(), max_lanes, lanes,

@@ -18,7 +18,9 @@ first token comes from p_R at the last prompt position, and the pipeline starts 
 it at depth 0.
 
 Sampling uses one ``torch.Generator`` per request (seeded), consumed for the first-token draw, the
-proposals and the cascade's uniforms.
+proposals and the cascade's uniforms; with ``coupled=True`` every readout (and the first token) is
+instead the request's noisy argmax at its position (``noise.py``), keyed by the request's seed, so a
+run's tokens equal ordinary decoding with the same sampler (``coupled_generate``) token for token.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import LoopSpecStats, batch_size_summary, format_summary
+from vllm_loop.loopspec.noise import coupled_sample
 from vllm_loop.loopspec.pipeline import RequestPipeline, readout_values
 from vllm_loop.loopspec.proposals import SamplingParams, sample_token
 from vllm_loop.loopspec.schedule import LoopSpecSchedule
@@ -153,6 +156,7 @@ class _Live:
     committed: SequenceKV
     pipe: RequestPipeline
     rng: torch.Generator | None
+    key: int = 0  # coupled sampling: the request's noise key
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -181,11 +185,12 @@ class PipelinedExecutor:
         batch_lanes: bool = True,
         check_capacity: bool = True,
         share_prefill: bool = True,
+        coupled: bool = False,
     ):
         if model.depth != schedule.R:
             raise ValueError(f"schedule R={schedule.R} does not match the model's depth {model.depth}")
         self.model, self.schedule = model, schedule
-        self.batch_lanes, self.check_capacity = batch_lanes, check_capacity
+        self.batch_lanes, self.check_capacity, self.coupled = batch_lanes, check_capacity, coupled
         random_prefill = getattr(getattr(model, "config", None), "state_init", None) == "like-init"
         self.share_prefill = share_prefill and not random_prefill
 
@@ -202,7 +207,8 @@ class PipelinedExecutor:
             rng = None
             if not req.sampling.greedy:
                 rng = torch.Generator().manual_seed(req.seed if req.seed is not None else i)
-            live.append(_Live(i, req, SequenceKV(), RequestPipeline(sch, req.sampling, rng), rng))
+            pipe = RequestPipeline(sch, req.sampling, rng, coupled=self.coupled)
+            live.append(_Live(i, req, SequenceKV(), pipe, rng, key=req.seed if req.seed is not None else i))
         prefills: dict[tuple[int, ...], tuple[SequenceKV, torch.Tensor]] = {}
         for st in live:
             self._prefill(st, prefills)
@@ -230,7 +236,10 @@ class PipelinedExecutor:
             cache[key] = (kv, logits[self.schedule.R][-1])
         kv, last = cache[key]
         st.committed = kv.fork()
-        token = sample_token(last, st.params, st.rng)
+        if self.coupled:
+            token = int(_coupled([st.params], last.unsqueeze(0), [st.key], [len(st.request.prompt)])[0])
+        else:
+            token = sample_token(last, st.params, st.rng)
         if self._emit(st, token):
             return
         lane = st.pipe.start(token, len(st.request.prompt))
@@ -295,6 +304,12 @@ class PipelinedExecutor:
         for r, group in self._groups(readers, key=lambda it: it[1].depth):
             positions = torch.tensor([lane.position for _, lane in group])
             out = self.model.readout(_cat_states([lane.state for _, lane in group]), r, positions, self._views(group))
+            if self.coupled:  # a token per row: its noisy argmax at the position it proposes for
+                tokens = _coupled([st.params for st, _ in group], out, [st.key for st, _ in group],
+                                  [lane.position + 1 for _, lane in group])
+                for (st, lane), token in zip(group, tokens.tolist()):
+                    read[st.index][lane.id] = token
+                continue
             by_params: dict[SamplingParams, list[int]] = defaultdict(list)
             for i, (st, _) in enumerate(group):
                 by_params[st.params].append(i)
@@ -353,3 +368,26 @@ def baseline_generate(model, request: GenerationRequest, rng: torch.Generator | 
     return full_depth_generate(
         model, request.prompt, request.max_new_tokens, lambda lg: sample_token(lg, params, rng), request.eos_ids()
     )
+
+
+def _coupled(params: list[SamplingParams], logits: torch.Tensor, keys: list[int], positions: list[int],
+             dtype=torch.float64) -> torch.Tensor:
+    """``noise.coupled_sample`` of rows with their own parameters (by default in float64, as
+    ``filter_probs``; an engine's lane calls sample in float32)."""
+    return coupled_sample(logits.to(dtype), torch.tensor([p.temperature for p in params], dtype=dtype),
+                          torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params], dtype=dtype),
+                          torch.tensor(keys), torch.tensor(positions))
+
+
+def coupled_generate(model, request: GenerationRequest, key: int, dtype=torch.float64) -> list[int]:
+    """Ordinary full-depth decoding of ``request`` in which the token of every position is its noisy
+    argmax with noise ``key`` (``noise.coupled_sample``): what coupled LoopSpec must reproduce token
+    for token."""
+    position = [len(request.prompt)]
+
+    def pick(logits: torch.Tensor) -> int:
+        token = int(_coupled([request.sampling], logits.unsqueeze(0), [key], position, dtype)[0])
+        position[0] += 1
+        return token
+
+    return full_depth_generate(model, request.prompt, request.max_new_tokens, pick, request.eos_ids())

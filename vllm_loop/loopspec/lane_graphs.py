@@ -6,7 +6,10 @@ Three calls, each on rows that sit at their own depths and read their own KV ban
 * ``core``   -- one recurrent step: ``states[slot] -> states[slot]``;
 * ``logits`` -- readouts: ``states[slot] -> logits`` and their argmax, which also goes to
   ``readout[slot]``: a ``pre`` row whose source column names a slot takes its token from there, so a
-  greedy proposal's child can start before the proposal reaches the host (``runner.py``, overlap).
+  greedy proposal's child can start before the proposal reaches the host (``runner.py``, overlap);
+* ``sample`` -- the same readouts when some row samples (coupled sampling, ``noise.py``): each row's
+  token is its noisy argmax under its own temperature / top-k / top-p and its request's noise at the
+  position it proposes for (greedy rows: the argmax), so sampled lanes overlap as greedy ones do.
 
 Why graphs: a recurrent step of lanes is a handful of rows through the shared block. Launched eagerly it
 costs far more host time than GPU time (an Ouro-1.4B lane step on the H200: ~3 ms of kernels behind
@@ -36,15 +39,24 @@ import torch
 from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
 from vllm_loop.models.layers import lane_attention
 
-KINDS = ("pre", "core", "logits")
-SLOT, POSITION, DEPTH, TOKEN, PREFIX, SOURCE, FIXED = range(7)  # LaneBatch columns; then ancestors, blocks
+KINDS = ("pre", "core", "logits", "sample")
+# LaneBatch columns (then ancestors, then the block-table row); KEY .. TOP_P: the row's sampling (coupled
+# readouts of ``sample``), TEMPERATURE and TOP_P as the bits of float64 values
+SLOT, POSITION, DEPTH, TOKEN, PREFIX, SOURCE, KEY, TEMPERATURE, TOP_K, TOP_P, FIXED = range(11)
+GREEDY_FIELDS = (0, 0, 0, int(np.float64(1.0).view(np.int64)))  # KEY .. TOP_P of a greedy row (and padding)
+
+
+def sampling_fields(key: int, temperature: float, top_k: int, top_p: float) -> tuple[int, int, int, int]:
+    """The KEY .. TOP_P columns of a row: the float parameters as the int64 bits of float64 values."""
+    return (key, int(np.float64(temperature).view(np.int64)), top_k, int(np.float64(top_p).view(np.int64)))
 
 
 @dataclass
 class LaneBatch:
     """One lane call's rows packed host-side: columns slot, position, depth, token, prefix, source (the
-    slot whose last readout is the token, or -1: the token column), then ``ancestors`` ancestor slots
-    (-1 padded, oldest first), then the request's block-table row."""
+    slot whose last readout is the token, or -1: the token column), key, temperature, top-k, top-p
+    (``sampling_fields``), then ``ancestors`` ancestor slots (-1 padded, oldest first), then the
+    request's block-table row."""
 
     host: np.ndarray  # [rows, FIXED + ancestors + table width] int64
     ancestors: int
@@ -56,18 +68,21 @@ class LaneBatch:
         host = np.zeros((rows, FIXED + ancestors + table_width), dtype=np.int64)
         host[:, SLOT] = pad_slot
         host[:, SOURCE] = -1
+        host[:, KEY:FIXED] = GREEDY_FIELDS
         host[:, FIXED:FIXED + ancestors] = -1
         return host
 
     @classmethod
-    def pack(cls, lanes: Sequence[tuple[int, int, int, int, int, int]], ancestry: Sequence[list[int]],
+    def pack(cls, lanes: Sequence[tuple[int, ...]], ancestry: Sequence[list[int]],
              table_rows: np.ndarray, *, rows: int, ancestors: int, context: int, pad_slot: int) -> LaneBatch:
-        """``lanes[i]``: (slot, position, depth, token, prefix, source) of real row i; ``ancestry[i]`` its
+        """``lanes[i]``: (slot, position, depth, token, prefix, source, key, temperature, top-k, top-p) of
+        real row i (without the last four: a greedy row); ``ancestry[i]`` its
         ancestors' slots; ``table_rows[i]`` its request's block-table row. Rows ``len(lanes)..rows``
         are padding."""
         n = len(lanes)
         host = cls.empty(rows, ancestors, table_rows.shape[1], pad_slot)
-        host[:n, :FIXED] = lanes
+        width = len(lanes[0]) if n else KEY
+        host[:n, :width] = lanes
         if ancestors:  # one assignment of the rows' slots, -1 padded (a loop of row assignments cost more)
             pad = [-1] * ancestors
             host[:n, FIXED:FIXED + ancestors] = [slots + pad[len(slots):] for slots in ancestry]
@@ -98,6 +113,15 @@ def device_rows(packed: torch.Tensor, ancestors: int, context: int):
     rows = LaneRows(slots=packed[SLOT], prefix=packed[PREFIX], block_rows=packed[FIXED + ancestors:].T,
                     ancestors=packed[FIXED:FIXED + ancestors].T, context=context)
     return rows, packed[POSITION], packed[DEPTH], packed[TOKEN], packed[SOURCE]
+
+
+def coupled_readout(logits: torch.Tensor, packed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each row's token of a ``sample`` call (``noise.coupled_sample``, in float32 as vLLM samples):
+    the noise of the position after the row's own."""
+    from vllm_loop.loopspec.noise import coupled_sample
+
+    return coupled_sample(logits, packed[TEMPERATURE].view(torch.float64).float(), packed[TOP_K],
+                          packed[TOP_P].view(torch.float64).float(), packed[KEY], positions + 1)
 
 
 @contextmanager
@@ -161,9 +185,9 @@ def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed:
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
         elif kind == "core":
             scratch.states[rows.slots] = model.lane_core(scratch.states[rows.slots], positions, depths)
-        elif kind == "logits":
+        elif kind in ("logits", "sample"):
             logits = model.lane_logits(scratch.states[rows.slots], positions, depths)
-            top = logits.argmax(-1)
+            top = logits.argmax(-1) if kind == "logits" else coupled_readout(logits, packed, positions)
             scratch.readout[rows.slots] = top
             return logits, top
         else:

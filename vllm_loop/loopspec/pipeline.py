@@ -15,8 +15,9 @@ Within one ``advance`` the order is fixed (the root's verification first, so tha
 make no proposals; then proposals of the surviving lanes in birth order), so a seeded request
 draws the same uniforms whatever executes it.
 
-A readout is the argmax (greedy) or the filtered distribution (sampling) of the lane's logits, as
-``readout_value`` computes it. ``max_lanes`` caps the request's live lanes (storage is finite in an
+A readout is the argmax (greedy), the noisy argmax (coupled sampling, ``noise.py``: the greedy
+decisions on argmaxes that every depth of a position draws with the same noise) or the filtered
+distribution (the paper's sampling cascade) of the lane's logits, as ``readout_values`` computes it. ``max_lanes`` caps the request's live lanes (storage is finite in an
 engine): a proposal that would exceed it is not made. That keeps LoopSpec lossless (whether a
 proposal exists is decided before the verification draws its uniforms); a root verified without a
 first proposal commits a plain sample of p_R.
@@ -91,13 +92,18 @@ class RequestPipeline:
         params: SamplingParams = SamplingParams(),
         rng: torch.Generator | None = None,
         max_lanes: int | None = None,
+        coupled: bool = False,
     ):
+        """``coupled``: a sampled request's readouts are its noisy argmaxes (``noise.coupled_sample``)
+        and it is decided as greedy is; otherwise the paper's cascade on filtered distributions, with
+        uniforms from ``rng``."""
         self.schedule, self.params = schedule, params
         self.tree = BranchTree()
         self.stats = LoopSpecStats(schedule.R, schedule.d1, schedule.d2, schedule.gate, schedule.late)
         self.max_lanes = schedule.max_lanes if max_lanes is None else max(1, max_lanes)
+        self.argmax = params.greedy or coupled  # readouts are tokens: the greedy decisions apply
         self._rng = rng
-        self._uniform = uniform_source(rng) if not params.greedy else None
+        self._uniform = uniform_source(rng) if not self.argmax else None
 
     @property
     def lanes(self) -> list[Lane]:
@@ -186,7 +192,7 @@ class RequestPipeline:
     def _first_proposal(self, lane: Lane, value) -> Lane | None:
         if not self._room():
             return None  # no proposal: the root commits a plain sample of p_R at verification
-        first = Proposal(value, None) if self.params.greedy else propose_first(value, self._uniform)
+        first = Proposal(value, None) if self.argmax else propose_first(value, self._uniform)
         child = self.tree.spawn(lane, first.token, CommitSource.FIRST)
         lane.first = Proposed(first.token, first.dist, child, lane.depth)
         return child
@@ -199,7 +205,7 @@ class RequestPipeline:
         lane.q2_tilde = value
         if not self._room():
             return None  # no storage for a sibling: no second proposal, whatever the gate says
-        if self.params.greedy:
+        if self.argmax:
             if value == x1:  # gate closed (and the residual of equal one-hots is empty)
                 return None
             second = Proposal(value, None)
@@ -214,8 +220,8 @@ class RequestPipeline:
         return child
 
     def _late_proposal(self, lane: Lane, value) -> Lane | None:
-        """Greedy: a sibling for the argmax at a late depth when the lane has not proposed it yet."""
-        if not self.params.greedy or lane.first is None:
+        """Greedy (and coupled): a sibling for the argmax at a late depth when the lane has not proposed it yet."""
+        if not self.argmax or lane.first is None:
             return None
         proposed = [lane.first.token] + ([lane.second.token] if lane.second else []) + [p.token for p in lane.late]
         if value in proposed or not self._room():
@@ -236,7 +242,7 @@ class RequestPipeline:
     def _verify(self, root: Lane, value) -> Verdict:
         sch, st = self.schedule, self.stats
         first, second = root.first, root.second
-        if self.params.greedy:
+        if self.argmax:
             target = value
             if first is None:
                 return Verdict(target, CommitSource.FULL)

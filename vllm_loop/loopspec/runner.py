@@ -40,7 +40,17 @@ from torch.profiler import record_function
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.config import knobs, schedule_of
-from vllm_loop.loopspec.lane_graphs import DEPTH, KINDS, PREFIX, LaneBatch, LaneGraphs, lane_call, upload
+from vllm_loop.loopspec.lane_graphs import (
+    DEPTH,
+    GREEDY_FIELDS,
+    KINDS,
+    PREFIX,
+    LaneBatch,
+    LaneGraphs,
+    lane_call,
+    sampling_fields,
+    upload,
+)
 from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
@@ -115,6 +125,12 @@ class _Live:
     req_id: str
     pipe: RequestPipeline
     fresh: bool = True  # its lanes were (re)started after vLLM's step and have not run a lane step yet
+    sampling: tuple[int, int, int, int] = GREEDY_FIELDS  # its lane-call columns KEY .. TOP_P
+
+    @property
+    def coupled(self) -> bool:
+        """A sampled request whose readouts are noisy argmaxes (``noise.py``)."""
+        return self.sampling != GREEDY_FIELDS
 
 
 @dataclass(eq=False)
@@ -221,6 +237,9 @@ class LoopSpecRunner:
         # overlap (auto): a greedy lane step enqueues each recurrent step on the likely outcome of the one
         # before, so the GPU computes while the host reads and decides ("off": one after the other)
         self.overlap = k.get("lane_overlap", "auto") == "auto"
+        # coupled (auto): sampled requests' readouts are noisy argmaxes on the GPU, decided as greedy ones
+        # (``noise.py``); "cascade": the paper's cascade on filtered distributions, decided on the host
+        self.coupled = k.get("sampling", "auto") in ("auto", "coupled")
         # auto: the kernel on CUDA (5.6 against 7.1 ms per Ouro-1.4B recurrent step on the H200,
         # benchmarks/RESULTS.md), the PyTorch path elsewhere
         self.attention_mode = k.get("lane_attention", "auto")
@@ -291,7 +310,7 @@ class LoopSpecRunner:
         for row in rows:  # for the lanes policy: a step of mostly fresh pipelines is a warm-up
             self._step.warmup_rows += row.live.fresh
             row.live.fresh = False
-        overlap = self.overlap and all(row.live.pipe.params.greedy for row in rows)
+        overlap = self.overlap and all(row.live.pipe.argmax for row in rows)
         with torch.inference_mode(), _named("loopspec.lane_step"):
             steps = 0
             flight = self._launch_real(runner, [row for row in rows if not row.done])
@@ -351,8 +370,13 @@ class LoopSpecRunner:
             live = self.live.get(req_id)
             position = state.num_prompt_tokens + len(state.output_token_ids) - 1  # the last token's
             if live is None:
+                coupled = self.coupled and not params.greedy
                 live = self.live[req_id] = _Live(req_id, RequestPipeline(
-                    self.schedule, params, self._generator(req_id, state.sampling_params), self.max_lanes))
+                    self.schedule, params, None if coupled else self._generator(req_id, state.sampling_params),
+                    self.max_lanes, coupled=coupled))
+                if coupled:
+                    live.sampling = sampling_fields(self._noise_key(req_id, state.sampling_params), params.temperature,
+                                                    params.top_k, params.top_p)
             else:
                 counted = True  # a lane request decoded in vLLM's step
                 # the chain's drafts, not their padding (step_drafts)
@@ -415,19 +439,22 @@ class LoopSpecRunner:
                 self.scratch.give_back(lane.slot)
                 lane.slot = None
 
+    def _noise_key(self, req_id: str, sp) -> int:
+        """A sampled request's random key: its seed, or else a hash of the engine seed and the request
+        id. Every tensor-parallel rank runs the same lanes and must take the same decisions with no
+        communication, so nothing here may depend on a rank's own random state."""
+        if sp.seed is not None:
+            return int(sp.seed)
+        digest = hashlib.sha256(f"{self.seed}:{req_id}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
     def _generator(self, req_id: str, sp) -> torch.Generator | None:
         """One generator per request for its whole life (a restarted pipeline keeps drawing fresh
-        uniforms). Its seed is the request's, or else a hash of the engine seed and the request id:
-        every tensor-parallel rank runs the same lanes and must take the same decisions with no
-        communication, so nothing here may depend on a rank's own random state."""
+        uniforms), seeded with ``_noise_key``: the cascade's uniforms."""
         if sp.temperature < 1e-5:
             return None
         if req_id not in self.generators:
-            seed = sp.seed
-            if seed is None:
-                digest = hashlib.sha256(f"{self.seed}:{req_id}".encode()).digest()
-                seed = int.from_bytes(digest[:8], "little") >> 1
-            self.generators[req_id] = torch.Generator().manual_seed(seed)
+            self.generators[req_id] = torch.Generator().manual_seed(self._noise_key(req_id, sp))
         return self.generators[req_id]
 
     def _is_lane_step(self, so) -> bool:
@@ -514,7 +541,8 @@ class LoopSpecRunner:
         pipe = row.live.pipe
         prefix = pipe.root.position if prefix is None else prefix
         ancestors = [a.slot for a in pipe.tree.ancestors(lane)] if ancestors is None else ancestors
-        return _CallRow((lane.slot, lane.position, lane.depth, lane.token, prefix, -1), ancestors, row.index)
+        return _CallRow((lane.slot, lane.position, lane.depth, lane.token, prefix, -1) + row.live.sampling, ancestors,
+                        row.index)
 
     @staticmethod
     def _ancestor_slots(lanes: list[Lane], skip: Lane | None = None) -> dict[Lane, list[int]]:
@@ -559,7 +587,8 @@ class LoopSpecRunner:
         depths = self.schedule.readout_depths
         self._lane_call(runner, "core", [call for _, _, call in items])
         readers = [(row, what, call.deeper()) for row, what, call in items if call.fields[DEPTH] + 1 in depths]
-        readout = self._lane_call(runner, "logits", [call for _, _, call in readers]) if readers else None
+        kind = "sample" if any(row.live.coupled for row, _, _ in readers) else "logits"
+        readout = self._lane_call(runner, kind, [call for _, _, call in readers]) if readers else None
         self._step.recurrent_steps += 1
         self._step.lanes_advanced += len(items)
         self._step.request_steps += len(rows)
@@ -592,8 +621,8 @@ class LoopSpecRunner:
                     break  # no slot: the child, if spawned, starts a step later
                 child = _Planned(parent, slot)
                 # depth 0 at the next position; its token: the parent's readout, read on the device
-                call = _CallRow((slot, parent.position + 1, 0, 0, prefix, parent.slot), chains[parent] + [parent.slot],
-                                row.index)
+                call = _CallRow((slot, parent.position + 1, 0, 0, prefix, parent.slot) + row.live.sampling,
+                                chains[parent] + [parent.slot], row.index)
                 planned[id(parent)] = child
                 pre.append(call)
                 items.append((row, child, call))
@@ -675,10 +704,10 @@ class LoopSpecRunner:
             return read
         logits, _ = flight.readout
         with _named("loopspec.read"):  # the host waits for the GPU here
-            values = flight.host.tolist()  # greedy rows: only the argmax crosses to the host
+            values = flight.host.tolist()  # greedy and coupled rows: only their tokens cross to the host
             by_params: dict[SamplingParams, list[int]] = {}
             for i, (row, _) in enumerate(flight.readers):
-                if not row.live.pipe.params.greedy:
+                if not row.live.pipe.argmax:
                     by_params.setdefault(row.live.pipe.params, []).append(i)
             for params, idx in by_params.items():
                 for i, value in zip(idx, readout_values(logits[idx], params)):
