@@ -351,36 +351,79 @@ def test_broken_verifier_fails_the_same_test(sampling_setup, monkeypatch):
     assert set(counts) - set(exact) or chi2_gof(counts, exact, n) < ALPHA
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("sampling_setup", ["coupled"], indirect=True)
-def test_coupled_sampling_equals_coupled_decoding_of_the_reference(sampling_setup):
-    """Coupled mode, seeded requests of mixed temperatures and filters in one batch (and greedy ones
-    beside them), every decode step a lane step: after the first token (vLLM's own sampler), every
-    token equals the reference decoding with the same noise (``executor.coupled_generate``), token
-    for token; the same seed gives the same text twice."""
+COUPLED_KINDS = [dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.7), dict(temperature=0.7, top_p=0.95),
+                 dict(temperature=1.3), dict(temperature=0.0)]
+
+
+def _coupled_reference(ref, prompt: list[int], params: dict, seed: int, n: int) -> list[int]:
+    """The reference's decoding of ``prompt`` with the coupled sampler of ``seed`` (float32, as the engine)."""
     import torch
-    from vllm import SamplingParams
 
     from vllm_loop.loopspec.executor import GenerationRequest, coupled_generate
     from vllm_loop.loopspec.proposals import SamplingParams as LaneParams
 
-    llm, ref = sampling_setup["llm"], sampling_setup["ref"]
-    kinds = [dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.7), dict(temperature=0.7, top_p=0.95),
-             dict(temperature=1.3), dict(temperature=0.0)]
-    prompts = [[3 + i, 14, 15, 9 + 2 * i] for i in range(10)]
-    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
-    sps = [SamplingParams(max_tokens=16, seed=70 + i, ignore_eos=True, **p) for i, p in enumerate(params)]
-    before = runner_totals(llm)
-    outs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
+    return coupled_generate(ref, GenerationRequest(prompt, n, sampling=LaneParams(**params)), seed, dtype=torch.float32)
+
+
+def _coupled_batch(llm, prompts, params, seeds, n: int = 16) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sps = [SamplingParams(max_tokens=n, seed=s, ignore_eos=True, **p) for p, s in zip(params, seeds)]
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
                                                                  use_tqdm=False)]
-    after = runner_totals(llm)
-    again = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
-                                                                  use_tqdm=False)]
-    assert again == outs
-    assert after["lane_steps"] > before["lane_steps"] and after["standard_steps"] == before["standard_steps"]
-    for i, (prompt, got) in enumerate(zip(prompts, outs)):
-        req = GenerationRequest(prompt + got[:1], 15, sampling=LaneParams(**params[i]))
-        assert got[1:] == coupled_generate(ref, req, 70 + i, dtype=torch.float32), (i, params[i])
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("sampling_setup", ["coupled"], indirect=True)
+def test_coupled_sampling_equals_coupled_decoding_of_the_reference(sampling_setup):
+    """Coupled mode (lanes on), seeded requests of mixed temperatures and filters in one batch, greedy
+    ones beside them: every token -- the prefill's (vLLM's sampler), the lanes' -- equals the
+    reference decoding with the same noise (``executor.coupled_generate``), token for token; the same
+    seed gives the same text twice."""
+    llm, ref = sampling_setup["llm"], sampling_setup["ref"]
+    prompts = [[3 + i, 14, 15, 9 + 2 * i] for i in range(10)]
+    params = [COUPLED_KINDS[i % len(COUPLED_KINDS)] for i in range(len(prompts))]
+    seeds = [70 + i for i in range(len(prompts))]
+    before = runner_totals(llm)
+    outs = _coupled_batch(llm, prompts, params, seeds)
+    assert runner_totals(llm)["lane_steps"] > before["lane_steps"]
+    assert _coupled_batch(llm, prompts, params, seeds) == outs
+    for prompt, p, seed, got in zip(prompts, params, seeds, outs):
+        assert got == _coupled_reference(ref, prompt, p, seed, 16), (seed, p)
+
+
+@pytest.mark.engine
+def test_seeded_text_does_not_depend_on_load_or_the_lanes_policy(sampling_baseline, monkeypatch):
+    """A seeded request gives the same text alone and while 24 other requests decode, whatever the
+    lanes policy chooses step by step (here a fixed pattern of lane and plain steps, so both paths
+    serve it, and requests joining mid-way add steps of vLLM's forward that verify lane chains):
+    every text equals the reference's coupled decoding of its seed."""
+    from vllm_loop.loopspec.policy import PATTERN_ENV
+    from vllm_loop.testing.engines import Job, run_jobs
+
+    from vllm import SamplingParams
+
+    monkeypatch.setenv(PATTERN_ENV, "LLPLP")  # read by the scheduler at engine start (in this process)
+    ref = sampling_baseline["ref"]
+    llm = _engine(sampling_baseline["path"], {"method": "loopspec", "lanes": "auto", "d1": 1, "d2": 2},
+                  max_num_seqs=32)
+    probe = ([5, 17, 99, 3], dict(temperature=0.8, top_p=0.9), 7)
+    others = [([11 + i, 4, 9 + i], COUPLED_KINDS[i % len(COUPLED_KINDS)], 200 + i) for i in range(24)]
+    try:
+        alone = _coupled_batch(llm, [probe[0]], [probe[1]], [probe[2]], 20)[0]
+        jobs = [Job(f"o{i}", p, SamplingParams(max_tokens=20, seed=s, ignore_eos=True, **k), at=i % 6)
+                for i, (p, k, s) in enumerate(others)]
+        jobs.append(Job("probe", probe[0], SamplingParams(max_tokens=20, seed=probe[2], ignore_eos=True, **probe[1]),
+                        at=3))
+        loaded = run_jobs(llm, jobs)
+        totals = runner_totals(llm)
+    finally:
+        stop_llm(llm)
+    assert totals["lane_steps"] > 0 and totals["plain_steps"] > 0 and totals["standard_steps"] > 0, totals
+    want = _coupled_reference(ref, probe[0], probe[1], probe[2], 20)
+    assert alone == want and loaded["probe"] == want
+    for i, (prompt, kind, seed) in enumerate(others):
+        assert loaded[f"o{i}"] == _coupled_reference(ref, prompt, kind, seed, 20), (i, kind)
 
 
 def _cpu_attention_isas(worker) -> list[str]:

@@ -591,6 +591,7 @@ def install_loopspec() -> None:
     install_loopspec_runner()
     install_loopspec_decode_graphs()
     install_loopspec_warmup()
+    install_loopspec_coupled_sampling()
     install_cpu_rejection_expand()
     install_cpu_seeded_sampling()
     install_cpu_loopspec_kv_layout()
@@ -981,6 +982,28 @@ def install_loopspec_runner() -> None:
         hook._vllm_loop = True
     GPUModelRunner.execute_model = execute_model_hook
     GPUModelRunner.sample_tokens = sample_tokens_hook
+
+
+def install_loopspec_coupled_sampling() -> None:
+    """Coupled sampling on vLLM's own path: before ``GPUModelRunner._sample`` (vLLM's sampler, or its
+    rejection sampler when the step verifies drafts), a LoopSpec runner turns each logits row of a
+    coupled request into the one-hot of that request's noisy argmax (``LoopSpecRunner.couple_logits``),
+    so every token of a coupled request -- the prefill's, a plain step's, a lane chain's verification --
+    is the draw of its seed and position, as on the lanes."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._sample
+    if getattr(original, "_vllm_loop_coupled", False):
+        return
+
+    def sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        lanes = _loopspec_runner(self)
+        if lanes is not None and lanes.coupled and logits is not None:
+            lanes.couple_logits(self, logits, spec_decode_metadata)
+        return original(self, logits, spec_decode_metadata, *args, **kwargs)
+
+    sample._vllm_loop_coupled = True
+    GPUModelRunner._sample = sample
 
 
 def install_loopspec_warmup() -> None:

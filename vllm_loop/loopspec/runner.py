@@ -261,6 +261,7 @@ class LoopSpecRunner:
         self.graphs: LaneGraphs | None = None
         self.live: dict[str, _Live] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.coupled_requests: dict[str, tuple[int, int, int, int] | None] = {}  # ``_coupled_fields``, by request
         self.totals = EngineCounters()
         self._step = EngineCounters()
         self._lane_step_end: float | None = None  # perf_counter() at the end of the last engine step, if a lane step
@@ -375,8 +376,7 @@ class LoopSpecRunner:
                     self.schedule, params, None if coupled else self._generator(req_id, state.sampling_params),
                     self.max_lanes, coupled=coupled))
                 if coupled:
-                    live.sampling = sampling_fields(self._noise_key(req_id, state.sampling_params), params.temperature,
-                                                    params.top_k, params.top_p)
+                    live.sampling = self._coupled_fields(req_id, state.sampling_params)
             else:
                 counted = True  # a lane request decoded in vLLM's step
                 # the chain's drafts, not their padding (step_drafts)
@@ -399,6 +399,50 @@ class LoopSpecRunner:
                 self._assign_slots([lane for _, lane in starts])
                 self._run_pre(runner, starts)
         self.hand_over_drafts(runner, output)
+
+    def couple_logits(self, runner, logits: torch.Tensor, spec_decode_metadata) -> None:
+        """Coupled sampling on vLLM's path (its sampler and rejection sampler: prefills, plain steps,
+        steps that verify lane chains): each logits row of a coupled request becomes the one-hot of its
+        noisy argmax at the position it samples for, in place, so that whatever vLLM then draws from
+        it (sampling, or a draft accepted iff it is that token, or the recovered / bonus token) is the
+        token the lanes would commit there. A seeded request's text then depends on its seed alone,
+        not on which path served each step. ``logits``: one row per request, or with drafts
+        ``spec_decode_metadata.num_draft_tokens[i] + 1`` rows of request i, the last one its bonus."""
+        ib = runner.input_batch
+        n = ib.num_reqs
+        counts = [1] * n if spec_decode_metadata is None else [d + 1 for d in spec_decode_metadata.num_draft_tokens]
+        rows, req_rows, back, fields = [], [], [], []
+        start = 0
+        for i, req_id in enumerate(ib.req_ids[:n]):
+            coupled = self._coupled_fields(req_id, runner.requests[req_id].sampling_params)
+            if coupled is not None:
+                for j in range(counts[i]):
+                    rows.append(start + j)
+                    req_rows.append(i)
+                    back.append(counts[i] - 1 - j)  # the last row samples the position seq_len
+                    fields.append(coupled)
+            start += counts[i]
+        if not rows:
+            return
+        dev = logits.device
+        host = torch.tensor([rows, req_rows, back] + [list(c) for c in zip(*fields)], dtype=torch.int64)
+        rows_t, req_t, back_t, key, temperature, top_k, top_p = upload(host, dev)
+        positions = runner.seq_lens[req_t].to(torch.int64) - back_t
+        from vllm_loop.loopspec.noise import coupled_sample
+
+        tokens = coupled_sample(logits[rows_t], temperature.view(torch.float64).float(), top_k,
+                                top_p.view(torch.float64).float(), key, positions)
+        logits[rows_t] = float("-inf")
+        logits[rows_t, tokens] = 0.0
+
+    def _coupled_fields(self, req_id: str, sp) -> tuple[int, int, int, int] | None:
+        """A coupled request's lane-call columns KEY .. TOP_P, or None (greedy, not coupled, or a
+        request the lanes do not serve: vLLM samples it as usual)."""
+        if req_id not in self.coupled_requests:
+            params = lane_sampling(sp) if self.coupled else None
+            self.coupled_requests[req_id] = None if params is None or params.greedy else sampling_fields(
+                self._noise_key(req_id, sp), params.temperature, params.top_k, params.top_p)
+        return self.coupled_requests[req_id]
 
     def plain_step(self, req_ids) -> None:
         """A step the policy ran without lanes: its requests hold none until a lanes-mode step."""
@@ -427,6 +471,7 @@ class LoopSpecRunner:
             self._drop(req_id)
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+            self.coupled_requests.pop(req_id, None)
 
     def _drop(self, req_id: str) -> None:
         live = self.live.pop(req_id, None)
