@@ -27,6 +27,9 @@
 #             vLLM's in-tree Ouro and LoopSpec, greedy and sampled (T=1, top-p 0.7), concurrency 1, 4, 8,
 #             16, a warm-up request set first; TTFT / TPOT / ITL percentiles and the JIT compilations each
 #             server logged while serving (OUTDIR/serve-ouro-1.4b/)
+#   sampled   the Ouro-1.4B shape sampled (T=1, top-p 0.7, then T=0.7, top-p 0.95): in-tree, LoopSpec with
+#             coupled sampling (the default) and with the paper's cascade, concurrency 1, 4, 16, one run
+#             = sampled-p07 then sampled-p095
 #   no-jit    the GPU test that serves batches of 1-32 requests after start-up and finds no Triton
 #             compilation (also part of other-tests)
 #   gpu-tests every other GPU test = kernel-tests (the Triton kernels against PyTorch), parity-tests
@@ -63,6 +66,7 @@ for step in $steps; do
         speed) parts+=" $speed_parts" ;;
         huginn) parts+=" $huginn_parts" ;;
         identity) parts+=" $identity_parts" ;;
+        sampled) parts+=" sampled-p07 sampled-p095" ;;
         gpu-tests) parts+=" $test_parts" ;;
         kernels) parts+=" $kernels_parts" ;;
         *) parts+=" $step" ;;
@@ -104,6 +108,10 @@ for step in $steps; do
                    --concurrency 1 4 8 16 --temperature 0 1 --num-prompts 32 --input-len 128 --output-len 128 \
                    --checkpoint "$checkpoints/ouro-1.4b-0.001" --out "$out/serve-ouro-1.4b" ;;
         no-jit) gpu_tests "without_triton_compilation" ;;
+        sampled-p07) speed 1 ouro-1.4b 0.001 ouro-1.4b-sampled-t1-p07 in-tree,loopspec-auto,loopspec-auto-cascade \
+                         1 4 16 --temperature 1.0 --top-p 0.7 ;;
+        sampled-p095) speed 1 ouro-1.4b 0.001 ouro-1.4b-sampled-t07-p095 in-tree,loopspec-auto,loopspec-auto-cascade \
+                          1 4 16 --temperature 0.7 --top-p 0.95 ;;
         merge-sweep) python3 benchmarks/lane_attention_sweep.py --merge --out "$out/lane-attention-merge.jsonl" ;;
         identity-ouro) gpu_tests "$identity_k and ouro" ;;
         identity-raven) gpu_tests "$identity_k and not ouro" ;;
@@ -113,7 +121,7 @@ for step in $steps; do
         nocompile-tests) gpu_tests "$nocompile_k" ;;
         async-tests) gpu_tests "$async_k" ;;
         other-tests) gpu_tests "$other_k" ;;
-        *) echo "unknown step $step; allowed: $all serve no-jit $speed_parts $huginn_parts $identity_parts merge-sweep" \
+        *) echo "unknown step $step; allowed: $all serve no-jit sampled sampled-p07 sampled-p095 $speed_parts $huginn_parts $identity_parts merge-sweep" \
                 "$test_parts"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
