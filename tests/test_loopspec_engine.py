@@ -497,6 +497,40 @@ def test_aborts_and_preemption_leave_nothing_behind(ckpt_factory):
             assert got[job.request_id] == want[: len(got[job.request_id])], job.request_id
 
 
+@pytest.mark.engine
+def test_every_lane_budget_is_lossless_and_switching_leaks_nothing(ckpt_factory, monkeypatch):
+    """The lanes policy's lane budgets (``policy.lane_options``: full, first proposals only, a small cap),
+    switched from one step to the next by a fixed pattern, with plain steps between: greedy requests
+    arriving and aborted mid-way equal the reference, every budget ran, and every lane slot and KV
+    block comes back."""
+    from vllm_loop.loopspec.policy import PATTERN_ENV
+    from vllm_loop.reference import load_reference
+
+    monkeypatch.setenv(PATTERN_ENV, "0120P21")
+    path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded", "agreement": "0.5"},
+                        mean_recurrence=8)
+    llm = _engine(path, {"method": "loopspec", "lanes": "auto", "d1": 2, "d2": 4}, block_size=16, max_model_len=128)
+    jobs = greedy_jobs(seed=5, aborts=3)
+    try:
+        free_before = free_kv_blocks(llm)
+        got = run_jobs(llm, jobs)
+        census = llm.collective_rpc(lane_census)[0]
+        totals = runner_totals(llm)
+        free_after = free_kv_blocks(llm)
+    finally:
+        stop_llm(llm)
+    from vllm_loop.loopspec.stat_logger import engine_totals
+
+    steps = engine_totals().option_steps
+    assert set(steps) == {"full", "first", "cap2"} and min(steps.values()) > 0, steps
+    assert totals["lane_steps"] > 0 and totals["plain_steps"] > 0
+    assert census["lanes"] == 0 and census["free_slots"] == census["slots"] and free_after == free_before
+    ref = load_reference(path)
+    for job in jobs:
+        want = ref.greedy_generate(job.prompt, job.params.max_tokens)
+        assert got[job.request_id] == (want if job.abort_at is None else want[: len(got[job.request_id])]), job.request_id
+
+
 # -- requests the lanes do not serve ---------------------------------------------------------------------------
 def _warm_rejection_sampler_here(worker) -> int:
     """Run the warm-up's rejection-sampler calls in this (CPU) worker; -> how many calls returned tokens."""

@@ -340,3 +340,54 @@ def test_rare_stalls_at_128_requests_do_not_cost_the_waves():
     ratios = [run(None, MODELS["128-h100"], seed, 0.01, 60.0) / run(policy_module, MODELS["128-h100"], seed, 0.01, 60.0)
               for seed in range(20)]
     assert min(ratios) > 1.0, ratios
+
+
+# -- the lane budget (LaneOption) ----------------------------------------------------------------------------
+def test_lane_options_of_a_schedule():
+    from vllm_loop.loopspec.policy import LaneOption, lane_options
+
+    assert lane_options(4, 1, 2, 7) == [LaneOption("full"), LaneOption("first", None, False), LaneOption("cap2", 2, False)]
+    assert lane_options(32, 2, 8, 64) == [LaneOption("full"), LaneOption("first", None, False),
+                                          LaneOption("cap8", 8, False)]
+    assert lane_options(4, 1, None, 7) == [LaneOption("full"), LaneOption("cap2", 2, False)]  # no second depth
+    assert lane_options(4, 1, 2, 2) == [LaneOption("full"), LaneOption("first", None, False)]  # cap not below max_lanes
+
+
+def _run_options(policy: LanePolicy, rows: int, steps: int, option_speed: list[float], plain: float) -> list:
+    """Engine steps of ``rows`` requests; a lane step at option i commits at ``option_speed[i]`` tokens/s."""
+    ran = []
+    for _ in range(steps):
+        lanes = policy.lanes(rows)
+        option = policy.option() if lanes else None
+        ran.append(option)
+        rate = option_speed[option] if lanes else plain
+        tokens = rows * (3 if lanes else 1)
+        policy.observe(StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=tokens / rate,
+                                  option=option or 0))
+    return ran
+
+
+def test_policy_runs_the_fastest_lane_budget_and_rechecks_the_others():
+    """Lanes at the full budget lose to plain decoding here, with first proposals only they win: the
+    policy tries every option, then runs lanes at the winning budget, and re-checks the others."""
+    from vllm_loop.loopspec.policy import lane_options
+
+    policy = LanePolicy(trial=4, recheck=50, budget=1.0, options=lane_options(32, 2, 8, 64))
+    ran = _run_options(policy, 16, 600, option_speed=[200.0, 400.0, 300.0], plain=250.0)
+    tail = ran[200:]
+    assert tail.count(1) > 0.8 * len(tail)  # "first"
+    assert 0 in tail and 2 in tail  # the other budgets re-checked now and then
+    assert policy.describe()[16]["lanes:first"] == pytest.approx(400.0)
+
+
+def test_lanes_on_runs_the_full_budget_and_patterns_force_options():
+    from vllm_loop.loopspec.policy import lane_options
+
+    on = LanePolicy("on", options=lane_options(4, 1, 2, 7))
+    assert all(on.lanes(4) and on.option() == 0 for _ in range(20))
+    forced = LanePolicy("auto", pattern="01P2", options=lane_options(4, 1, 2, 7))
+    seen = [(forced.lanes(4), forced.option()) for _ in range(8)]
+    assert [s for s in seen if s[0]] == [(True, 0), (True, 1), (True, 2)] * 2
+    assert [lanes for lanes, _ in seen].count(False) == 2
+    with pytest.raises(ValueError, match="digits"):
+        LanePolicy("auto", pattern="LX")

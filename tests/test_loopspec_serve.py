@@ -102,6 +102,8 @@ def test_metrics_show_loopspec_counters(server):
     assert get("vllm_loop:loopspec_lane_step_seconds_total") > 0
     assert get("vllm_loop:loopspec_lane_step_gaps_total") > 0 and get("vllm_loop:loopspec_lane_step_gap_seconds_total") > 0
     assert 1.0 <= get("vllm_loop:loopspec_gamma{") <= 4.0 and get("vllm_loop:loopspec_lanes_per_step{") > 1
+    # lanes "on": every lanes-mode step at the full lane budget
+    assert get('vllm_loop:loopspec_lane_option_steps_total{engine="0",model_name="tiny-ouro",option="full"}') > 0
     # vLLM's own spec-decode counters carry LoopSpec's verifications
     assert get("vllm:spec_decode_num_drafts_total") > 0 and get("vllm:spec_decode_num_accepted_tokens_total") > 0
 

@@ -234,18 +234,30 @@ class EngineCounters:
     # check that finished, aborted and preempted requests give every lane back)
     lanes_live: int = 0
     lane_requests_live: int = 0
+    # lanes-mode steps by the lane budget they ran (``policy.LaneOption`` name -> steps; scheduler-side)
+    option_steps: dict[str, int] = field(default_factory=dict)
 
     GAUGES = ("lanes_live", "lane_requests_live")
 
     def add(self, other: EngineCounters) -> None:
         """Sum the counters; a gauge takes ``other``'s (the later) value."""
         for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(other, name) if name in self.GAUGES else getattr(self, name) + getattr(other, name))
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, dict):
+                for key, value in theirs.items():
+                    mine[key] = mine.get(key, 0) + value
+            else:
+                setattr(self, name, theirs if name in self.GAUGES else mine + theirs)
 
     def minus(self, other: EngineCounters) -> EngineCounters:
         """The counters' difference; a gauge keeps this one's value."""
-        return EngineCounters(**{n: getattr(self, n) if n in self.GAUGES else getattr(self, n) - getattr(other, n)
-                                 for n in self.__dataclass_fields__})
+        def diff(name):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, dict):
+                return {key: value - theirs.get(key, 0) for key, value in mine.items()}
+            return mine if name in self.GAUGES else mine - theirs
+
+        return EngineCounters(**{n: diff(n) for n in self.__dataclass_fields__})
 
     @property
     def lane_step_gap_ms(self) -> float:

@@ -102,6 +102,10 @@ class RequestPipeline:
         self.stats = LoopSpecStats(schedule.R, schedule.d1, schedule.d2, schedule.gate, schedule.late)
         self.max_lanes = schedule.max_lanes if max_lanes is None else max(1, max_lanes)
         self.argmax = params.greedy or coupled  # readouts are tokens: the greedy decisions apply
+        # the lane budget of the step being run (``policy.LaneOption``, set by the runner): at most this many
+        # lanes (None: max_lanes), second proposals or not; withholding proposals is lossless at any step
+        self.cap: int | None = None
+        self.seconds = True
         self._rng = rng
         self._uniform = uniform_source(rng) if not self.argmax else None
 
@@ -141,7 +145,7 @@ class RequestPipeline:
         root = self.tree.root
         commit = root if root is not None and root.depth == self.schedule.R else None
         stay = [lane for lane in self.tree.lanes if lane is not commit]
-        room = self.max_lanes - len(stay)  # advance prunes at least the root before it proposes
+        room = self.limit - len(stay)  # advance prunes at least the root before it proposes
         proposers = []
         for lane in stay:
             if lane.depth == self.schedule.d1 and room > 0:
@@ -186,8 +190,13 @@ class RequestPipeline:
         return out
 
     # -- proposals ------------------------------------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        """Lanes this request may hold now: ``max_lanes``, or the step's lane budget if lower."""
+        return self.max_lanes if self.cap is None else min(self.max_lanes, self.cap)
+
     def _room(self) -> bool:
-        return len(self.tree) < self.max_lanes
+        return len(self.tree) < self.limit
 
     def _first_proposal(self, lane: Lane, value) -> Lane | None:
         if not self._room():
@@ -198,7 +207,7 @@ class RequestPipeline:
         return child
 
     def _second_proposal(self, lane: Lane, value) -> Lane | None:
-        if lane.first is None:
+        if lane.first is None or not self.seconds:
             return None
         x1, q1 = lane.first.token, lane.first.dist
         self.stats.gate_evaluations += 1

@@ -48,8 +48,18 @@ benchmarks/RESULTS.md). In a CPU model with random stalls (benchmarks/policy_sta
 run) one stalled step at a new wave replaced the lanes' rate with a tenth of it, and plain steps ran the
 rest of the run where lanes were ~6x faster.
 
-``lanes="on"`` always runs lanes. The decision is taken in the scheduler (one process), so every
+``lanes="on"`` always runs lanes, at the full budget. The decision is taken in the scheduler (one process), so every
 tensor-parallel rank follows the same one.
+
+**Lane budget.** A lanes-mode step also picks how many lanes requests may hold (``LaneOption``): the
+schedule's full budget, first proposals only (no second-proposal siblings), or a small per-request cap
+(``lane_options``). At a few requests the full budget pays; as the batch grows, every extra lane row
+is compute the step pays for whether or not its proposal is accepted, and a smaller budget can keep
+lanes ahead of plain decoding where the full one falls behind. Per bucket ``OptionChooser`` gives each
+option ``trial`` lane steps, then runs the fastest (tokens per second of lane steps), re-checking the
+others now and then; the lanes-vs-plain choice above weighs the lanes at the option they run. An
+option only withholds proposals, which is lossless at any step (a root verified without a proposal
+commits its own full-depth token), so options switch from one step to the next without a restart.
 """
 
 from __future__ import annotations
@@ -100,6 +110,7 @@ class StepSample:
     seconds: float
     warmup: bool = False
     context: float = 0.0  # the rows' mean committed positions (for the log: both modes slow down with it)
+    option: int = 0  # the lane option a lane step ran (``LaneOption``)
 
 
 @dataclass
@@ -133,22 +144,126 @@ def bucket_of(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+@dataclass(frozen=True)
+class LaneOption:
+    """A lane budget: lanes a request may hold (None: the deployment's ``max_lanes``) and whether
+    second proposals are made."""
+
+    name: str
+    cap: int | None = None
+    second: bool = True
+
+
+def lane_options(R: int, d1: int, d2: int | None, max_lanes: int) -> list[LaneOption]:
+    """The options a lanes-mode step chooses among: ``full``; ``first`` (first proposals only, where
+    the schedule has a second depth); ``capN``: at most N lanes a request, about half of a full
+    first-proposal chain (where that is below ``max_lanes``)."""
+    options = [LaneOption("full")]
+    if d2 is not None:
+        options.append(LaneOption("first", None, False))
+    chain = math.ceil(R / d1) + 1  # a root and its first-proposal chain
+    half = max(2, chain // 2)
+    if half < min(chain, max_lanes):
+        options.append(LaneOption(f"cap{half}", half, False))
+    return options
+
+
+@dataclass
+class _Options:
+    rate: dict[int, float] = field(default_factory=dict)  # option -> tokens/s of its lane steps (moving average)
+    seen: dict[int, int] = field(default_factory=dict)  # option -> samples in its current trial
+    steps: int = 0  # choices after every trial
+    next_check: int = 0
+    checked: int = 0  # the option re-checked last
+
+
+class OptionChooser:
+    """Which ``LaneOption`` a lanes-mode step runs, per batch-size bucket (the module's docstring)."""
+
+    def __init__(self, options: list[LaneOption], trial: int = 4, recheck: int = 64, smoothing: float = 0.3):
+        self.options, self.trial, self.recheck, self.smoothing = options, trial, recheck, smoothing
+        self.buckets: dict[int, _Options] = {}
+
+    def choose(self, rows: int) -> int:
+        if len(self.options) == 1:
+            return 0
+        b = self.buckets.setdefault(bucket_of(rows), _Options())
+        for i in range(len(self.options)):
+            if b.seen.get(i, 0) < self.trial:
+                return i
+        b.steps += 1
+        best = self.best(b)
+        if b.steps >= b.next_check:  # re-check the options after the best in turn
+            others = [i for i in range(len(self.options)) if i != best]
+            b.checked = next((i for i in others if i > b.checked), others[0])
+            b.seen[b.checked] = 0
+            b.next_check = b.steps + self.recheck
+            logger.info("LoopSpec lane budget, bucket %d: running %s, re-checking %s (%s)", bucket_of(rows),
+                        self.options[best].name, self.options[b.checked].name, self._rates(b))
+            return b.checked
+        return best
+
+    def best(self, b: _Options) -> int:
+        return max(b.rate, key=b.rate.get) if b.rate else 0
+
+    def best_rate(self, rows: int) -> float:
+        """The measured rate of the bucket's best option (0 before any)."""
+        b = self.buckets.get(bucket_of(rows))
+        return max(b.rate.values()) if b is not None and b.rate else 0.0
+
+    def observe(self, rows: int, option: int, rate: float) -> None:
+        if not 0 <= option < len(self.options):
+            return
+        b = self.buckets.setdefault(bucket_of(rows), _Options())
+        fresh = b.seen.get(option, 0) == 0 or option not in b.rate
+        b.seen[option] = b.seen.get(option, 0) + 1
+        old = b.rate.get(option)
+        b.rate[option] = rate if fresh or old is None else old + self.smoothing * (rate - old)
+
+    def _rates(self, b: _Options) -> str:
+        return ", ".join(f"{self.options[i].name} {r:.0f}" for i, r in sorted(b.rate.items()))
+
+    def describe(self) -> dict[int, dict[str, float]]:
+        return {k: {self.options[i].name: round(r, 1) for i, r in sorted(b.rate.items())}
+                for k, b in sorted(self.buckets.items())}
+
+
 class LanePolicy:
     def __init__(self, mode: str = "auto", trial: int = 4, recheck: int = 256, smoothing: float = 0.3,
-                 budget: float = 0.005, pattern: str | None = None):
+                 budget: float = 0.005, pattern: str | None = None, options: list[LaneOption] | None = None):
         if mode not in LANES_MODES:
             raise ValueError(f"lanes={mode!r}: allowed values: {', '.join(LANES_MODES)}")
-        if pattern is not None and (not pattern or set(pattern) - {"L", "P"}):
-            raise ValueError(f"{PATTERN_ENV}={pattern!r}: a non-empty string of L (lanes) and P (plain)")
+        if pattern is not None and (not pattern or set(pattern) - set("LP0123456789")):
+            raise ValueError(f"{PATTERN_ENV}={pattern!r}: a non-empty string of L (lanes), P (plain) and digits "
+                             "(lanes with that lane option)")
         self.mode, self.trial, self.recheck, self.smoothing, self.budget = mode, trial, recheck, smoothing, budget
         self.buckets: dict[int, _Bucket] = {}
         self.pattern, self.decisions = pattern, 0
+        self.chooser = OptionChooser(options or [LaneOption("full")], trial=trial)
+        self._option = 0  # the option of the last lanes decision (``option``)
+
+    @property
+    def options(self) -> list[LaneOption]:
+        return self.chooser.options
+
+    def option(self) -> int:
+        """The lane option of the last ``lanes`` decision that chose lanes."""
+        return self._option
 
     def lanes(self, rows: int) -> bool:
-        """Run the next engine step, with ``rows`` running requests, on lanes?"""
+        """Run the next engine step, with ``rows`` running requests, on lanes? (Which lane option:
+        ``option()`` afterwards.)"""
+        lanes = self._lanes(rows)
+        if lanes:
+            forced = self.pattern[(self.decisions - 1) % len(self.pattern)] if self.pattern else "L"
+            self._option = int(forced) % len(self.options) if forced.isdigit() else \
+                (self.chooser.choose(rows) if self.mode == "auto" and not self.pattern else 0)
+        return lanes
+
+    def _lanes(self, rows: int) -> bool:
         if self.pattern:
             self.decisions += 1
-            return self.pattern[(self.decisions - 1) % len(self.pattern)] == "L"
+            return self.pattern[(self.decisions - 1) % len(self.pattern)] != "P"
         if self.mode == "on":
             return True
         b = self.buckets.setdefault(bucket_of(rows), _Bucket())
@@ -208,6 +323,10 @@ class LanePolicy:
             return
         b = self.buckets.setdefault(bucket_of(sample.rows), _Bucket())
         mode, rate = sample.lanes, sample.tokens / sample.seconds
+        if mode and not sample.warmup and len(self.options) > 1:
+            # lanes are weighed against plain at their best budget, not at the one a re-check just tried
+            self.chooser.observe(sample.rows, sample.option, rate)
+            rate = self.chooser.best_rate(sample.rows)
         # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
         # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
         # H100, forty-second run) unless it is slower, since shorter contexts are faster: that is a stalled
@@ -231,6 +350,12 @@ class LanePolicy:
             b.seen[mode] = max(b.seen[mode], self.trial)
 
     def describe(self) -> dict[int, dict[str, float]]:
-        """Per bucket: the measured tokens/s of each mode (for logs and tests)."""
-        return {k: {("lanes" if m else "plain"): round(r, 1) for m, r in b.rate.items()}
-                for k, b in sorted(self.buckets.items())}
+        """Per bucket: the measured tokens/s of each mode and, where lanes ran more than one lane
+        option, of each option (``lanes:NAME``; for logs, the trace and tests)."""
+        options = self.chooser.describe()
+        out = {}
+        for k, b in sorted(self.buckets.items()):
+            out[k] = {("lanes" if m else "plain"): round(r, 1) for m, r in b.rate.items()}
+            if len(options.get(k, {})) > 1:
+                out[k] |= {f"lanes:{name}": r for name, r in options[k].items()}
+        return out

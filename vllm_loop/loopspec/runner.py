@@ -55,6 +55,7 @@ from vllm_loop.loopspec.lane_kv import LaneScratch, PagedBanks
 from vllm_loop.loopspec.lanes import Lane
 from vllm_loop.loopspec.metrics import EngineCounters
 from vllm_loop.loopspec.pipeline import Commit, Expected, RequestPipeline, readout_values
+from vllm_loop.loopspec.policy import lane_options
 from vllm_loop.loopspec.proposals import SamplingParams
 from vllm_loop.loopspec.verify import CommitSource
 from vllm_loop.models.layers import bank_prefix
@@ -223,6 +224,8 @@ class LoopSpecRunner:
             raise ValueError("LoopSpecRunner needs additional_config['loopspec'] (use method 'loopspec')")
         self.schedule = schedule_of(vllm_config)
         self.max_lanes = int(k["max_lanes"])
+        # the lane budgets a lanes-mode step may run (the scheduler's policy picks one: ``so.loopspec_option``)
+        self.options = lane_options(self.schedule.R, self.schedule.d1, self.schedule.d2, self.max_lanes)
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.pad_drafts = k.get("step_tokens", 0) > 0  # step_drafts
         # the lockstep bounds (``_more_steps``): while no request waits to join, and while some do
@@ -308,6 +311,9 @@ class LoopSpecRunner:
         before = self._pipeline_stats()
         captured = 0 if self.graphs is None else self.graphs.captured
         rows = self._rows(runner, scheduler_output)
+        option = self.options[getattr(scheduler_output, "loopspec_option", 0)]
+        for row in rows:  # the step's lane budget (the policy's choice)
+            row.live.pipe.cap, row.live.pipe.seconds = option.cap, option.second
         for row in rows:  # for the lanes policy: a step of mostly fresh pipelines is a warm-up
             self._step.warmup_rows += row.live.fresh
             row.live.fresh = False

@@ -37,7 +37,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_loop.loopspec.config import knobs
 from vllm_loop.loopspec.metrics import EngineCounters
-from vllm_loop.loopspec.policy import PATTERN_ENV, LanePolicy, StepSample
+from vllm_loop.loopspec.policy import PATTERN_ENV, LanePolicy, StepSample, lane_options
 
 METRICS_ENV = "VLLM_LOOP_METRICS_FILE"  # set by the front end when it translates a loopspec config
 # Diagnostics: a JSON line per engine step with tokens (mode, rows, tokens, engine seconds, whether the
@@ -94,7 +94,7 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None,
     tokens = sum(len(t) for t in output.sampled_token_ids)
     return StepSample(lanes=lanes, rows=rows, tokens=tokens, seconds=seconds,
                       warmup=2 * step.warmup_rows > rows if lanes else after_lanes,
-                      context=mean_context(so))
+                      context=mean_context(so), option=getattr(so, "loopspec_option", 0))
 
 
 def mean_context(so) -> float:
@@ -117,8 +117,9 @@ class LoopSpecScheduler(Scheduler):
         base = os.environ.get(METRICS_ENV)
         index = self.vllm_config.parallel_config.data_parallel_rank
         self._metrics_file = metrics_path(base, index) if base else None
-        self.lane_policy = LanePolicy((knobs(self.vllm_config) or {}).get("lanes", "on"),
-                                      pattern=os.environ.get(PATTERN_ENV))
+        k = knobs(self.vllm_config) or {}
+        options = lane_options(k["R"], k["d1"], k["d2"], k["max_lanes"]) if k else None
+        self.lane_policy = LanePolicy(k.get("lanes", "on"), pattern=os.environ.get(PATTERN_ENV), options=options)
         self._published_at, self._unpublished = 0.0, False
         self._last_lanes = False  # the mode of the last step that ran (for plain steps' warm-ups)
         self._last_rows: int | None = None  # its rows (a plain sample needs an unchanged batch)
@@ -140,6 +141,12 @@ class LoopSpecScheduler(Scheduler):
         """What the step carries to its worker and its update: its mode, whether requests still wait,
         when it was scheduled, the arrivals before it."""
         so.loopspec_lanes, so.loopspec_start = lanes, start
+        # the lane budget of a lanes-mode step (an index into ``lane_policy.options``; the runner builds the
+        # same list from the same knobs)
+        so.loopspec_option = self.lane_policy.option() if lanes else 0
+        if lanes and so.total_num_scheduled_tokens:
+            counts, name = self.loopspec_totals.option_steps, self.lane_policy.options[so.loopspec_option].name
+            counts[name] = counts.get(name, 0) + 1
         # requests left waiting: the lane step keeps to the shorter lockstep bound (runner._more_steps)
         so.loopspec_waiting = bool(self.waiting or self.skipped_waiting)
         so.loopspec_arrivals, self._arrivals = self._arrivals, 0
@@ -172,6 +179,7 @@ class LoopSpecScheduler(Scheduler):
         sampled = getattr(output, "sampled_token_ids", None) or []
         self._trace.write(json.dumps({
             "t": round(time.perf_counter(), 6), "lanes": getattr(so, "loopspec_lanes", True),
+            "option": self.lane_policy.options[getattr(so, "loopspec_option", 0)].name,
             "rows": len(so.num_scheduled_tokens), "tokens": sum(len(t) for t in sampled),
             "scheduled": so.total_num_scheduled_tokens, "new": len(so.scheduled_new_reqs),
             "arrivals": getattr(so, "loopspec_arrivals", 0), "waiting": len(self.waiting),

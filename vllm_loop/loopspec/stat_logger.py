@@ -10,7 +10,8 @@ Metrics (labels ``model_name``, ``engine``): ``vllm_loop:loopspec_commits_total{
 ``..._recurrent_steps_total``, ``..._lanes_advanced_total``, ``..._request_steps_total``,
 ``..._gate_evaluations_total``, ``..._gate_opens_total``, ``..._lane_steps_total``,
 ``..._prefill_joined_steps_total``, ``..._chain_drafts_total``, ``..._chain_accepted_total``,
-``..._plain_steps_total`` (decode steps the lanes policy ran without lanes), under async scheduling
+``..._plain_steps_total`` (decode steps the lanes policy ran without lanes),
+``..._lane_option_steps_total{option=full|first|capN}`` (lanes-mode steps by the lane budget they ran), under async scheduling
 ``..._pipelined_steps_total`` (steps scheduled while another ran) and ``..._barrier_drains_total``
 (lanes-mode steps that waited for the steps in flight), ``..._lane_step_seconds_total`` (the model
 runner's wall time in lane steps), ``..._lane_step_gaps_total`` and ``..._lane_step_gap_seconds_total``
@@ -61,6 +62,8 @@ def _prometheus() -> dict:
                                   "of a request (since start)", labels)
         _metrics["lanes_per_step"] = Gauge("vllm_loop:loopspec_lanes_per_step", "LoopSpec lanes advanced per "
                                            "recurrent step (since start)", labels)
+        _metrics["option_steps"] = Counter("vllm_loop:loopspec_lane_option_steps", "LoopSpec lanes-mode steps by "
+                                           "the lane budget they ran (full, first, capN)", labels + ["option"])
         _metrics["lanes_live"] = Gauge("vllm_loop:loopspec_lanes_live", "LoopSpec lanes held now (after the "
                                        "engine's last step)", labels)
         _metrics["lane_requests_live"] = Gauge("vllm_loop:loopspec_lane_requests_live", "Requests holding "
@@ -107,6 +110,8 @@ class LoopSpecStatLogger(StatLoggerBase):
             m[name].labels(*self.labels).inc(max(0, getattr(delta, fld)))
         for source in ("first", "second", "late", "full"):
             m["commits"].labels(*self.labels, source).inc(max(0, getattr(delta, source)))
+        for option, steps in delta.option_steps.items():
+            m["option_steps"].labels(*self.labels, option).inc(max(0, steps))
         summary = totals.summary(self.R)
         m["gamma"].labels(*self.labels).set(summary["gamma"])
         m["lanes_per_step"].labels(*self.labels).set(summary["lanes_per_step"])
