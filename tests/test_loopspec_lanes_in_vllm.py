@@ -143,7 +143,7 @@ class _ToyLanes:
         return self._attend(state, depths) @ self.head
 
 
-@pytest.mark.parametrize("kind", ["pre", "core", "logits"])
+@pytest.mark.parametrize("kind", ["pre", "core", "logits", "sample", "dist"])
 def test_padded_lane_calls_equal_exact_ones(kind):
     """What a lane graph runs -- rows padded to a power of two, context to 64, ancestors to the lane
     cap -- gives the real rows what the exact-shape call gives them, and padding rows touch only the
@@ -182,10 +182,13 @@ def test_padded_lane_calls_equal_exact_ones(kind):
     got = graphs(kind, LaneBatch.pack(lanes, ancestry, table[req], rows=rows, ancestors=7, context=ctx,
                                       pad_slot=scratch.pad_slot))
     real = [1, 3, 5]
-    if kind == "logits":
+    if kind == "dist":  # logits handed back, and their argmax
         assert got[0].shape == want[0].shape
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(got[1], got[0].argmax(-1)) and torch.equal(scratch.readout[real], got[1])
+    if kind in ("logits", "sample"):  # tokens only (greedy rows: "sample" takes their argmax too)
+        assert got[0] is None and want[0] is None
+        assert torch.equal(got[1], want[1]) and torch.equal(scratch.readout[real], got[1])
     torch.testing.assert_close(scratch.states[real], want_states[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(scratch.kv[:, real], want_kv[:, real], atol=1e-5, rtol=1e-5)
     others = [s for s in range(scratch.num_slots) if s not in real]  # lanes' slots untouched; pad slot aside
@@ -199,7 +202,7 @@ def test_start_up_buckets_cover_every_shape_a_lane_call_can_take(kernel):
     for the first time. On the CPU ``capture_all`` records each bucket without capturing."""
     from types import SimpleNamespace
 
-    from vllm_loop.loopspec.lane_graphs import KINDS, LaneGraphs
+    from vllm_loop.loopspec.lane_graphs import WARM_KINDS, LaneGraphs
 
     paged, scratch = SimpleNamespace(block_size=16), SimpleNamespace(kv=torch.empty(0))
     graphs = LaneGraphs(None, paged, scratch, table_width=32, ancestors=7, max_rows=200, capture=False,
@@ -207,8 +210,8 @@ def test_start_up_buckets_cover_every_shape_a_lane_call_can_take(kernel):
     buckets = set(graphs.buckets())
     seen = {graphs.shape(n, context) for n in range(1, 257) for context in range(1, 32 * 16 + 2, 3)} - {None}
     assert seen == buckets, (sorted(seen - buckets), sorted(buckets - seen))
-    assert graphs.capture_all() == 0 and len(graphs._graphs) == len(KINDS) * len(buckets)  # none captured on a CPU
-    assert graphs.capture_all() == 0 and len(graphs._graphs) == len(KINDS) * len(buckets)  # and only once
+    assert graphs.capture_all() == 0 and len(graphs._graphs) == len(WARM_KINDS) * len(buckets)  # none captured on a CPU
+    assert graphs.capture_all() == 0 and len(graphs._graphs) == len(WARM_KINDS) * len(buckets)  # and only once
 
 
 class _NormPriorityProbe(_ToyLanes):

@@ -9,7 +9,11 @@ Three calls, each on rows that sit at their own depths and read their own KV ban
   greedy proposal's child can start before the proposal reaches the host (``runner.py``, overlap);
 * ``sample`` -- the same readouts when some row samples (coupled sampling, ``noise.py``): each row's
   token is its noisy argmax under its own temperature / top-k / top-p and its request's noise at the
-  position it proposes for (greedy rows: the argmax), so sampled lanes overlap as greedy ones do.
+  position it proposes for (greedy rows: the argmax), so sampled lanes overlap as greedy ones do;
+* ``dist`` -- ``logits`` that also hands the logits back (the cascade's sampled rows are filtered
+  from them). ``logits`` and ``sample`` keep only the tokens: a graph's outputs stay allocated until
+  it is replayed again, and logits of thousands of rows in every bucket's graph would not fit beside
+  the KV cache.
 
 Why graphs: a recurrent step of lanes is a handful of rows through the shared block. Launched eagerly it
 costs far more host time than GPU time (an Ouro-1.4B lane step on the H200: ~3 ms of kernels behind
@@ -39,7 +43,8 @@ import torch
 from vllm_loop.loopspec.lane_kv import LaneAttention, LaneRows, LaneScratch, PagedBanks
 from vllm_loop.models.layers import lane_attention
 
-KINDS = ("pre", "core", "logits", "sample")
+KINDS = ("pre", "core", "logits", "sample", "dist")
+WARM_KINDS = ("pre", "core", "logits", "sample")  # captured at start-up (``dist``: on first use)
 # LaneBatch columns (then ancestors, then the block-table row); KEY .. TOP_P: the row's sampling (coupled
 # readouts of ``sample``), TEMPERATURE and TOP_P as the bits of float64 values
 SLOT, POSITION, DEPTH, TOKEN, PREFIX, SOURCE, KEY, TEMPERATURE, TOP_K, TOP_P, FIXED = range(11)
@@ -174,9 +179,9 @@ def cuda_custom_ops(model, cuda: bool):
 
 def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed: torch.Tensor, ancestors: int,
               context: int, kernel=None) -> torch.Tensor | None:
-    """Run one lane call on a packed batch already on the device. States go to the scratch; ``logits``
-    returns ``(logits, argmax)`` of every row (padding rows included) and keeps the argmax in
-    ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention)."""
+    """Run one lane call on a packed batch already on the device. States go to the scratch; a readout
+    (``logits``, ``sample``, ``dist``) returns ``(logits or None, token)`` of every row (padding rows
+    included) and keeps the token in ``scratch.readout``. ``kernel``: the lane attention kernel (None: the PyTorch lane attention)."""
     rows, positions, depths, tokens, sources = device_rows(packed, ancestors, context)
     with lane_attention(LaneAttention(paged, scratch, rows, kernel)), compiled_norms(), \
             cuda_custom_ops(model, packed.is_cuda):
@@ -185,11 +190,11 @@ def lane_call(model, paged: PagedBanks, scratch: LaneScratch, kind: str, packed:
             scratch.states[rows.slots] = model.lane_pre(tokens, positions)
         elif kind == "core":
             scratch.states[rows.slots] = model.lane_core(scratch.states[rows.slots], positions, depths)
-        elif kind in ("logits", "sample"):
+        elif kind in ("logits", "sample", "dist"):
             logits = model.lane_logits(scratch.states[rows.slots], positions, depths)
-            top = logits.argmax(-1) if kind == "logits" else coupled_readout(logits, packed, positions)
+            top = coupled_readout(logits, packed, positions) if kind == "sample" else logits.argmax(-1)
             scratch.readout[rows.slots] = top
-            return logits, top
+            return (logits if kind == "dist" else None), top
         else:
             raise ValueError(f"lane call kind {kind!r}; allowed: {', '.join(KINDS)}")
     return None
@@ -243,7 +248,7 @@ class LaneGraphs:
         Returns the number captured."""
         before = self.captured
         for rows, context in self.buckets():
-            for kind in KINDS:
+            for kind in WARM_KINDS:
                 if (kind, rows, context) not in self._graphs:
                     self._graphs[(kind, rows, context)] = self._capture(kind, rows, context)
         return self.captured - before
@@ -262,7 +267,7 @@ class LaneGraphs:
                             batch.context, self.kernel)
         else:
             graph.replay()
-        return None if out is None else tuple(x[: batch.n] for x in out)
+        return None if out is None else tuple(None if x is None else x[: batch.n] for x in out)
 
     def _capture(self, kind: str, rows: int, context: int):
         if not self.capture:

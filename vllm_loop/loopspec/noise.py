@@ -95,12 +95,21 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return x.masked_fill((x < kth) | drop, float("-inf"))
 
 
+# Rows sampled at once: the filter's sort and the noise take several [rows, vocab] temporaries (int64
+# among them), so a lane call of thousands of rows goes through in chunks of this many.
+CHUNK_ROWS = 64
+
+
 def coupled_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """``[rows]`` int64 tokens: greedy rows their argmax, the others ``argmax(filtered - log E)`` with
     the exponentials of ``(key, position)`` -- the token of ``position`` that any readout of the same
     request and position, at any depth, races with the same noise. ``position``: of the token being
     chosen."""
+    if logits.shape[0] > CHUNK_ROWS:
+        return torch.cat([coupled_sample(*(x[i:i + CHUNK_ROWS] for x in (logits, temperature, top_k, top_p, key,
+                                                                         position)))
+                          for i in range(0, logits.shape[0], CHUNK_ROWS)])
     exponential = -torch.log(uniforms(key, position, logits.shape[-1])).to(temperature.dtype)
     scores = filter_logits(logits, temperature, top_k, top_p) - torch.log(exponential)
     greedy = temperature < GREEDY_EPS

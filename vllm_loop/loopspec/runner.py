@@ -43,8 +43,8 @@ from vllm_loop.loopspec.config import knobs, schedule_of
 from vllm_loop.loopspec.lane_graphs import (
     DEPTH,
     GREEDY_FIELDS,
-    KINDS,
     PREFIX,
+    WARM_KINDS,
     LaneBatch,
     LaneGraphs,
     lane_call,
@@ -288,7 +288,7 @@ class LoopSpecRunner:
         with torch.inference_mode():
             n = self.graphs.capture_all()
         logger.info("LoopSpec lanes: %d lane graphs captured at start-up in %.1f s (%d row buckets x %s)", n,
-                    time.perf_counter() - start, len(self.graphs.buckets()), "/".join(KINDS))
+                    time.perf_counter() - start, len(self.graphs.buckets()), "/".join(WARM_KINDS))
 
     def propose(self, sampled_token_ids, *args, **kwargs):
         """vLLM asks after its own steps; the real drafts are set in ``after_standard_step``."""
@@ -638,7 +638,8 @@ class LoopSpecRunner:
         depths = self.schedule.readout_depths
         self._lane_call(runner, "core", [call for _, _, call in items])
         readers = [(row, what, call.deeper()) for row, what, call in items if call.fields[DEPTH] + 1 in depths]
-        kind = "sample" if any(row.live.coupled for row, _, _ in readers) else "logits"
+        kind = "dist" if any(not row.live.pipe.argmax for row, _, _ in readers) else \
+            "sample" if any(row.live.coupled for row, _, _ in readers) else "logits"
         readout = self._lane_call(runner, kind, [call for _, _, call in readers]) if readers else None
         self._step.recurrent_steps += 1
         self._step.lanes_advanced += len(items)
