@@ -1014,8 +1014,9 @@ def install_loopspec_warmup() -> None:
     each one's first launch compiled it mid-stream (a 2 s inter-token stall under ``vllm bench
     serve``). Right after vLLM warms its sampler (``Worker.compile_or_warm_up_model`` ->
     ``GPUModelRunner._dummy_sampler_run``, the first call with a KV cache; the memory profile calls
-    it before there is one), the lanes capture every lane-graph bucket (``LoopSpecRunner.warm_up``)
-    and the rejection sampler runs on dummy drafts of each kind (``_warm_rejection_sampler``)."""
+    it before there is one), the lanes capture every lane-graph bucket (``LoopSpecRunner.warm_up``),
+    the rejection sampler runs on dummy drafts of each kind (``_warm_rejection_sampler``) and the
+    slot-mapping kernel runs once (``_warm_slot_mapping``)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner._dummy_sampler_run
@@ -1029,10 +1030,28 @@ def install_loopspec_warmup() -> None:
             lanes.warmed_up = True
             lanes.warm_up(self)
             _warm_rejection_sampler(self, lanes.num_spec_tokens)
+            _warm_slot_mapping(self)
         return out
 
     dummy_sampler_run._vllm_loop = True
     GPUModelRunner._dummy_sampler_run = dummy_sampler_run
+
+
+def _warm_slot_mapping(runner) -> None:
+    """vLLM's V1 runner computes each step's KV slot mapping with a Triton kernel
+    (``BlockTable.compute_slot_mapping``) that its dummy runs never launch, so the first request
+    compiled it mid-stream (seen in a LoopSpec server's log under ``vllm bench serve``). One launch on
+    the runner's own block table compiles it for every later step (its token counts are not
+    specialized on); it writes only the slot mapping, which every step writes afresh. CUDA only."""
+    if runner.device.type != "cuda":
+        return
+    import torch
+
+    dev = runner.device
+    with torch.inference_mode():
+        runner.input_batch.block_table.compute_slot_mapping(
+            1, torch.tensor([0, 1], dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
+    torch.cuda.synchronize()
 
 
 def _warm_rejection_sampler(runner, max_drafts: int, *, cuda_only: bool = True) -> None:
