@@ -10,7 +10,7 @@ than ``max_model_len``, from vLLM 0.26's own functions, on the CPU (no engine, n
    fill with -1).
 2. Where block id -1 would land in vLLM's two KV layouts: per layer (a vanilla engine; one tensor a
    layer) and packed (one allocation for all layers at a block stride of L pages, which LoopSpec
-   engines use, ``vllm_patches.install_loopspec_packed_kv``). In the packed layout it lands up to L
+   engines use, ``vllm_patches.loopspec.install_loopspec_packed_kv``). In the packed layout it lands up to L
    pages below the allocation. That was a guess at why only LoopSpec engines crashed; on an H100 a
    vanilla engine given the packed layout started and generated (``full_graphs_probe.py``'s
    ``vanilla-huginn-fp32-packed``, forty-first run), so the layout alone is not the reason.

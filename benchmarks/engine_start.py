@@ -17,7 +17,7 @@ start re-runs Dynamo and loads Inductor's cached graphs instead); ``capture-256`
 sequences without speculative decoding, and the plugin's default for LoopSpec engines since
 2026-12-03; before, vLLM's draft-model size, 512); ``no-aot-capture-256`` (both); ``inline-save``,
 ``no-gc-freeze``, ``one-compile-thread``, ``vllm-startup``: the plugin's start-up changes
-(``vllm_patches.install_compiled_model_startup``: the compiled forward saved from a child process, no
+(``vllm_patches.startup.install_compiled_model_startup``: the compiled forward saved from a child process, no
 full collections while compiling, Inductor's Triton kernels built by a pool of processes) turned off,
 one of them or all. A warm start waits for its cold start's saved artifact, and reports whether vLLM
 loaded it (``aot_loaded``) and whether its request's tokens equal the cold start's (``same_tokens``).
@@ -55,7 +55,7 @@ CAPTURE_256 = {"compilation_config": {"mode": 3, "max_cudagraph_capture_size": 2
 VARIANTS = {  # name -> (environment, engine keyword arguments)
     "default": ({}, {}), "compiled": ({}, COMPILED), "no-aot": (NO_AOT, COMPILED), "capture-256": ({}, CAPTURE_256),
     "no-aot-capture-256": (NO_AOT, CAPTURE_256),
-    # the plugin's start-up changes for compiled engines (vllm_patches.install_compiled_model_startup)
+    # the plugin's start-up changes for compiled engines (vllm_patches.startup.install_compiled_model_startup)
     # turned off, one or all
     "inline-save": (INLINE_SAVE, COMPILED), "no-gc-freeze": (NO_FREEZE, COMPILED),
     "one-compile-thread": (ONE_THREAD, COMPILED), "vllm-startup": (INLINE_SAVE | NO_FREEZE | ONE_THREAD, COMPILED)}

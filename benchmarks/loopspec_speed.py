@@ -67,7 +67,7 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   tokens, prefills and mixed steps included (``{"mode": 0, "cudagraph_mode": "FULL",
   "max_cudagraph_capture_size": 512}``; vLLM falls back to decode-only graphs where the attention
   backend cannot replay mixed steps). A LoopSpec engine keeps its decode graphs apart from the mixed
-  ones (``vllm_patches.install_loopspec_decode_graphs``); since 2026-12-06 this is its default on one CUDA
+  ones (``vllm_patches.graphs.install_loopspec_decode_graphs``); since 2026-12-06 this is its default on one CUDA
   GPU (``config.fast_start_compilation``; at ``max_model_len`` >= 512 the same engine).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /

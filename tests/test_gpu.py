@@ -533,7 +533,7 @@ def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
 def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):
     """In a LoopSpec engine, decode steps of 1 token per request (requests the lanes do not serve,
     here: logprobs; the lanes policy's plain steps) have full CUDA graphs
-    (``vllm_patches.install_loopspec_decode_graphs``), and their tokens equal the reference (fp32)."""
+    (``vllm_patches.graphs.install_loopspec_decode_graphs``), and their tokens equal the reference (fp32)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.config import CUDAGraphMode

@@ -35,7 +35,7 @@ from vllm_loop.testing.engines import (
 def _async_core_sync_runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_loop import vllm_patches
+    from vllm_loop.vllm_patches import loopspec as vllm_patches
 
     init = GPUModelRunner.__init__
 

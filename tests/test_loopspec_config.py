@@ -103,11 +103,14 @@ def test_lockstep_goes_to_step_tokens_only_while_no_request_waits(ckpt_factory):
     assert default.lockstep == default.lockstep_joining == 16
 
     # the scheduler stamps each step with whether requests still wait (waiting, or skipped this step)
+    from vllm_loop.loopspec.metrics import EngineCounters
+    from vllm_loop.loopspec.policy import LanePolicy
+
     scheduler = object.__new__(LoopSpecScheduler)
-    scheduler._arrivals = 0
+    scheduler._arrivals, scheduler.lane_policy, scheduler.loopspec_totals = 0, LanePolicy("on"), EngineCounters()
     for waiting, skipped, expected in (([], [], False), (["q"], [], True), ([], ["q"], True)):
         scheduler.waiting, scheduler.skipped_waiting = waiting, skipped
-        so = SimpleNamespace()
+        so = SimpleNamespace(total_num_scheduled_tokens=1)
         scheduler._stamp(so, True, 0.0)
         assert so.loopspec_waiting is expected
     # a step without the stamp: requests are assumed to wait (the shorter bound)
@@ -213,7 +216,7 @@ def test_fast_start_in_the_front_door(ckpt_factory, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from vllm_loop import vllm_patches
+    from vllm_loop.vllm_patches import loopspec as vllm_patches
 
     path = ckpt_factory("ouro")
     args = EngineArgs(model=path)
@@ -264,7 +267,7 @@ def test_full_graphs_keep_decode_graphs_apart():
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    from vllm_loop.vllm_patches import add_decode_graph_keys
+    from vllm_loop.vllm_patches.graphs import add_decode_graph_keys
 
     def dispatcher():
         cc = CompilationConfig(mode=0, cudagraph_mode="FULL", cudagraph_capture_sizes=[1, 2, 4, 8, 16],
@@ -297,7 +300,7 @@ def test_full_graphs_asked_for_are_kept(ckpt_factory):
     from vllm.config.compilation import CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_loop import vllm_patches
+    from vllm_loop.vllm_patches import loopspec as vllm_patches
 
     args = EngineArgs(model=ckpt_factory("ouro"), compilation_config={"mode": 0, "cudagraph_mode": "FULL"})
     vllm_patches._fast_start(args, NS(tensor_parallel_size=1, pipeline_parallel_size=1))
@@ -330,7 +333,7 @@ def test_async_scheduling_where_supported(ckpt_factory, monkeypatch):
     is patched out on this CPU) a LoopSpec engine schedules asynchronously with the barrier scheduler:
     by default with the lanes policy "auto", and with lanes "on" only when asked for; never with
     --no-async-scheduling. Where it is not, an explicit --async-scheduling is refused, naming why."""
-    from vllm_loop import vllm_patches
+    from vllm_loop.vllm_patches import loopspec as vllm_patches
 
     path = ckpt_factory("ouro")
     monkeypatch.setattr(vllm_patches, "async_blocker", lambda cfg: None)

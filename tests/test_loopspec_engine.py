@@ -145,7 +145,7 @@ def test_greedy_loopspec_equals_vanilla_under_continuous_batching(case, greedy_r
         hits = _metric(llm, "vllm:prefix_cache_hits")
         assert free_kv_blocks(llm) == free_before
         census = llm.collective_rpc(lane_census)[0]
-        # vllm_patches.install_loopspec_decode_graphs: 1-token decode steps count as uniform
+        # vllm_patches.graphs.install_loopspec_decode_graphs: 1-token decode steps count as uniform
         assert llm.collective_rpc(lambda w: w.model_runner.uniform_decode_query_len)[0] == 1
         # lane_attention "auto" without CUDA: the PyTorch lane attention (the kernel is CUDA's default)
         assert llm.collective_rpc(lambda w: w.model_runner.drafter.attention_mode)[0] == spec.get(
@@ -439,7 +439,7 @@ def _cpu_attention_isas(worker) -> list[str]:
 def test_loopspec_reads_the_cpu_kv_layout_of_bf16_engines(ckpt_factory):
     """bf16 with a block size that is a multiple of 32: on a CPU with AMX tiles vLLM's CPU attention
     stores K in AMX tiles, which the lanes cannot read in place (the first decode step failed); a
-    LoopSpec engine gets vLLM's "vec" layout instead (``vllm_patches.install_cpu_loopspec_kv_layout``)
+    LoopSpec engine gets vLLM's "vec" layout instead (``vllm_patches.loopspec.install_cpu_loopspec_kv_layout``)
     and decodes with its lanes, every request to its length, nothing left behind. (Its bf16 tokens
     are not compared: vanilla's AMX kernels round differently.)"""
     import torch
@@ -534,7 +534,7 @@ def test_every_lane_budget_is_lossless_and_switching_leaks_nothing(ckpt_factory,
 # -- requests the lanes do not serve ---------------------------------------------------------------------------
 def _warm_rejection_sampler_here(worker) -> int:
     """Run the warm-up's rejection-sampler calls in this (CPU) worker; -> how many calls returned tokens."""
-    from vllm_loop.vllm_patches import _warm_rejection_sampler
+    from vllm_loop.vllm_patches.warmup import _warm_rejection_sampler
 
     sampler, calls = worker.model_runner.rejection_sampler, []
     forward = sampler.forward

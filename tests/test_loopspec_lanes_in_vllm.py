@@ -398,10 +398,10 @@ def test_step_drafts_pad_a_short_chain_to_the_step_budget():
 
 
 def test_cpu_rejection_expand_fills_int_and_float_outputs():
-    """vllm_patches.install_cpu_rejection_expand: vLLM 0.26's CPU kernel left these uninitialised."""
+    """vllm_patches.upstream.install_cpu_rejection_expand: vLLM 0.26's CPU kernel left these uninitialised."""
     import vllm.v1.sample.rejection_sampler as rejection
 
-    from vllm_loop.vllm_patches import install_cpu_rejection_expand
+    from vllm_loop.vllm_patches.upstream import install_cpu_rejection_expand
 
     install_cpu_rejection_expand()
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -413,11 +413,11 @@ def test_cpu_rejection_expand_fills_int_and_float_outputs():
 
 
 def test_cpu_sampler_honours_a_seed_next_to_unseeded_rows():
-    """vllm_patches.install_cpu_seeded_sampling: vLLM 0.26's CPU sampler drew every row from the global
+    """vllm_patches.upstream.install_cpu_seeded_sampling: vLLM 0.26's CPU sampler drew every row from the global
     RNG unless all rows were seeded, so a seeded request's token depended on its neighbours."""
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
-    from vllm_loop.vllm_patches import install_cpu_seeded_sampling
+    from vllm_loop.vllm_patches.upstream import install_cpu_seeded_sampling
 
     install_cpu_seeded_sampling()
     sampler = TopKTopPSampler("raw_logprobs")

@@ -30,7 +30,7 @@ from vllm import ModelRegistry
 from vllm_loop import plugin
 plugin.register()
 from vllm.v1.engine.input_processor import InputProcessor
-out = {"patched": bool(getattr(InputProcessor.process_inputs, "_vllm_loop", False)), "classes": {}, "errors": {}}
+out = {"patched": bool(getattr(InputProcessor.process_inputs, "_vllm_loop_hooks", ())), "classes": {}, "errors": {}}
 for arch in plugin.MODELS:
     cls = ModelRegistry._try_load_model_cls(arch)
     out["classes"][arch] = cls.__module__ + ":" + cls.__name__

@@ -1,6 +1,6 @@
 """A `vllm serve` that loses a worker fails clearly instead of hanging: the streaming client gets an
 error event, new requests are refused, the server exits non-zero (vLLM itself exits 0 there:
-``vllm_patches.install_server_exit_status``). Tensor-parallel over vLLM's multiprocessing executor,
+``vllm_patches.upstream.install_server_exit_status``). Tensor-parallel over vLLM's multiprocessing executor,
 the executor this CPU platform has; the same over Ray on GPUs: tests/test_ray_gpu.py.
 """
 

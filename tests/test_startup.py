@@ -1,4 +1,4 @@
-"""Start-up of the plugin's compiled models (``vllm_patches.install_compiled_model_startup``): the
+"""Start-up of the plugin's compiled models (``vllm_patches.startup.install_compiled_model_startup``): the
 compiled forward saved from a forked child process, no full collections while it compiles, and both
 (with the compile pool's hook) confined to the plugin's own classes."""
 
@@ -15,7 +15,7 @@ import time
 import pytest
 from vllm import envs  # noqa: F401  (imported by the save hook; here, so its import is not timed below)
 
-from vllm_loop import vllm_patches
+from vllm_loop.vllm_patches import startup as vllm_patches
 
 CLASSES = """
 import json
@@ -25,10 +25,11 @@ from vllm_loop.models.ouro import OuroModel
 from vllm_loop.models.raven import RavenModel
 from vllm.model_executor.models.llama import LlamaModel
 from vllm.compilation import decorators
-assert decorators._try_load_aot_compiled_fn._vllm_loop
+from vllm_loop.vllm_patches import installed
+assert installed(decorators, "_try_load_aot_compiled_fn") == ("startup.compiled_model",)
 def ours(cls):
-    return [bool(getattr(cls.save_aot_compiled_function, "_vllm_loop", False)),
-            bool(getattr(cls.__call__, "_vllm_loop", False))]
+    return [installed(cls, "save_aot_compiled_function") == ("startup.saved_in_background",),
+            installed(cls, "__call__") == ("startup.compiled_on_first_call",)]
 print("RESULT" + json.dumps({c.__name__: ours(c) for c in (OuroModel, RavenModel, LlamaModel)}))
 """
 

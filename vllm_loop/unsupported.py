@@ -1,6 +1,6 @@
 """What the plugin registers on a vLLM it was not built for: a model class that refuses to start.
 
-vllm-loop reaches into vLLM 0.26's internals (``vllm_loop/vllm_patches.py``) for the latent driver,
+vllm-loop reaches into vLLM 0.26's internals (``vllm_loop/vllm_patches/``) for the latent driver,
 the ``latent_budget`` front end and the start-up checks of the looped models. On another vLLM those
 hooks are not installed, and a plugin architecture left registered (or left unregistered: vLLM then
 falls back to its Transformers backend for a ``gpt2`` / ``llama`` model_type) would serve silently

@@ -1,6 +1,6 @@
 """The latent driver: per step, what each latent request's rows need (inject, loop, force).
 
-It sits beside vLLM's model runner (hooks in ``vllm_loop/vllm_patches.py``) and knows nothing of
+It sits beside vLLM's model runner (hooks in ``vllm_loop/vllm_patches/``) and knows nothing of
 it beyond a list of ``StepRow`` (one per request in the batch). The request protocol is the one in
 ``vllm_loop/latent/spec.py``; here is how each family meets the engine:
 

@@ -9,7 +9,7 @@ worker. What it does to a request of a latent model (``n`` = the resolved budget
 * feedback (COCONUT, CODI): the engine generates the forced latent phase (start, one placeholder
   per thought, end) as its first outputs, so the engine-side ``max_tokens`` (and a non-zero
   ``min_tokens``) is raised by that many tokens and their count is stored in ``extra_args``
-  (``PHASE_KEY``); the front end's output processing (``vllm_patches.install_latent_outputs``)
+  (``PHASE_KEY``); the front end's output processing (``vllm_patches.latent.install_latent_outputs``)
   moves them from the output to the end of the prompt, so the user receives the answer only and
   ``max_tokens`` bounds it -- the same shape a LOTUS request has;
 * marks the request to skip reading the prefix cache (see ``driver.py``).

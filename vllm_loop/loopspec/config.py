@@ -11,7 +11,7 @@ plugin translates a loopspec config before vLLM sees it (``vllm_patches.install_
 * the LoopSpec knobs travel in ``additional_config["loopspec"]``, which reaches every process;
 * the scheduler is ``LoopSpecScheduler`` (vLLM's scheduler with LoopSpec's acceptance counters in
   the spec-decode metrics); where async scheduling is possible, ``LoopSpecAsyncScheduler`` (plain
-  steps pipelined, lanes-mode steps as barriers; ``vllm_patches.install_loopspec_async``). The user's
+  steps pipelined, lanes-mode steps as barriers; ``vllm_patches.loopspec.install_loopspec_async``). The user's
   ``--async-scheduling`` / ``--no-async-scheduling`` becomes the knob ``async`` ("on" / "off"; unset:
   "auto").
 
@@ -191,7 +191,7 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     benchmarks/RESULTS.md, twenty-second run); plain steps without it run the sandwich seams as the
     plugin's kernels (``layers._fused_seam``). vLLM's full CUDA graphs replay every step it can
     (``cudagraph_mode`` FULL: prefills and mixed steps too, up to ``graph_capture_sizes``; decode steps in
-    their own graphs, ``vllm_patches.install_loopspec_decode_graphs``): without them an eager prefill
+    their own graphs, ``vllm_patches.graphs.install_loopspec_decode_graphs``): without them an eager prefill
     was 63-79 ms of a one-request first token (an H100, thirty-ninth run; in graphs Ouro-1.4B's first
     token 92.5 -> 13.9 ms, Huginn-0125's 142.6 -> 51.0 ms, fortieth run). Only where the user set
     neither (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no

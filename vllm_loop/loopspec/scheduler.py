@@ -211,7 +211,7 @@ class LoopSpecScheduler(Scheduler):
 
 
 class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
-    """LoopSpec under async scheduling (chosen by ``vllm_patches.install_loopspec_async``).
+    """LoopSpec under async scheduling (chosen by ``vllm_patches.loopspec.install_loopspec_async``).
 
     * Plain steps are scheduled with no drafts at all (``num_spec_tokens`` 0 while they are made):
       the base scheduler would otherwise give a new one-token decode ``[-1] * K`` placeholder drafts,
@@ -251,7 +251,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
         barrier = any(self._in_flight.values())
         if barrier or (self._in_flight and self._next_is_lanes()):
             self._drained = not barrier
-            self.held_for_barrier = True  # read by vllm_patches._no_idle_sleep_after_barriers
+            self.held_for_barrier = True  # read by vllm_patches.loopspec._no_idle_sleep_after_barriers
             return False
         return True
 
