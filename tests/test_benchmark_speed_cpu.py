@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.engine
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "loopspec_speed.py"
 
 

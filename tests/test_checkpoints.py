@@ -1,7 +1,7 @@
 """The tiny-checkpoint factory: determinism, the real config keys and tensor names, options, CLI errors.
 
-Real metadata lives in /work/shared/reference/checkpoints (verbatim config.json files; params.txt
-lists the real state-dict names with shapes).
+Real metadata lives in tests/data/reference_checkpoints (verbatim config.json files; params.txt
+lists the real state-dict names with shapes; provenance in its SOURCES.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from vllm_loop.configs.ouro import OuroConfig
 from vllm_loop.configs.raven import RavenConfig, raven_layout
 from vllm_loop.testing.checkpoints import FAMILIES, CheckpointError, _load_families, make_checkpoint
 
-REAL = Path("/work/shared/reference/checkpoints")
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+REAL = Path(__file__).resolve().parent / "data" / "reference_checkpoints"
 OURO_REAL = REAL / "ByteDance__Ouro-1.4B"
 HUGINN_REAL = REAL / "tomg-group-umd__huginn-0125"
 PYTHON = str(Path(sys.executable))
@@ -305,7 +306,7 @@ def test_ouro_remote_code_loads_with_trust_remote_code(ckpt_factory, tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-m", "vllm_loop.testing.checkpoints", *args], capture_output=True, text=True,
-                          timeout=120, cwd="/work/main")
+                          timeout=120, cwd=ROOT)
 
 
 @pytest.mark.parametrize(("args", "needle"), [

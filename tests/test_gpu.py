@@ -11,10 +11,12 @@ import torch
 from vllm_loop.testing.engines import check_ouro_early_exit, start_llm, stop_llm, worker_facts, worker_functions
 from vllm_loop.testing.prompts import PARITY_PROMPTS as PROMPTS
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on the H200)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on the H200)")]
 
 
 
+@pytest.mark.engine
 def test_plugin_smoke_on_gpu(ckpt_factory):
     from vllm import SamplingParams
 
@@ -46,6 +48,7 @@ def _check_compilation(llm, compilation: str) -> None:
     assert config.cudagraph_mode.has_full_cudagraphs(), config.cudagraph_mode
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("compilation", list(COMPILATION))
 def test_ouro_parity_compiled_cuda_graphs(ckpt_factory, compilation):
     """fp32 (Triton attention), vLLM's default compilation (or none) and CUDA graphs: greedy tokens
@@ -63,6 +66,7 @@ def test_ouro_parity_compiled_cuda_graphs(ckpt_factory, compilation):
 RAVEN_LAYOUTS = ["huginn", "llama", "olmo2"]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("compilation", list(COMPILATION))
 @pytest.mark.parametrize("layout", RAVEN_LAYOUTS)
 def test_raven_parity_compiled_cuda_graphs(ckpt_factory, layout, compilation):
@@ -104,6 +108,7 @@ def _greedy_parity_with_logprobs(llm, path: str, label: str) -> tuple[int, float
     return len(prompts), worst, ref.depth
 
 
+@pytest.mark.engine
 def test_ouro_early_exit_compiled_cuda_graphs(ckpt_factory):
     """``early_exit_threshold`` = 0.5 under compilation and CUDA graphs: each depth's state is kept
     (the next loop's fused add + norm updates its input in place on the GPU); greedy == reference."""
@@ -121,6 +126,7 @@ def test_ouro_early_exit_compiled_cuda_graphs(ckpt_factory):
 LATENT = {"coconut": ("coconut", {}), "codi-llama": ("codi", {"base": "llama"}), "lotus": ("lotus", {})}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", list(LATENT))
 def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
     """fp32, mixed budgets in one batch: compiled + CUDA graphs with async scheduling (vLLM's GPU
@@ -198,6 +204,7 @@ def _captured_lane_graphs(worker) -> int:
     return -1 if graphs is None else graphs.captured
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name, graphs, attention, overlap", LANE_GRAPHS,
                          ids=[f"{n}-graphs-{g}-{a}-overlap-{o}" for n, g, a, o in LANE_GRAPHS])
 def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention, overlap):
@@ -219,6 +226,7 @@ NOCOMPILE = [(name, kernels, "auto") for name in ("huginn-R32-1:5", "ouro-agree-
              for kernels in LANE_KERNELS] + [("huginn-R32-1:5", "default", "off"), ("ouro-agree-1:2", "default", "off")]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name, kernels, graphs", NOCOMPILE,
                          ids=[f"{n}-{k}" + ("" if g == "auto" else f"-lane-graphs-{g}") for n, k, g in NOCOMPILE])
 def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels, graphs):
@@ -313,6 +321,7 @@ def _async_facts(worker) -> dict:
             "captured": -1 if runner.drafter.graphs is None else runner.drafter.graphs.captured}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name, pattern", ASYNC_CASES, ids=[f"{n}-{p or 'lanes-on'}" for n, p in ASYNC_CASES])
 def test_loopspec_async_greedy_identity_compiled(ckpt_factory, name, pattern):
     """fp32, compiled, CUDA defaults (lane graphs, Triton lane attention), async scheduling in a
@@ -379,6 +388,7 @@ def _mixed_on_v1(path: str, scheduling: str, env: dict, **kwargs) -> list:
             os.environ.pop(name, None)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
 def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
     """Forced transitions, async or sync scheduling: requests the lanes cannot serve (logprobs,
@@ -412,6 +422,7 @@ def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
           f"{scheduling} (V1 runner)")
 
 
+@pytest.mark.engine
 def test_loopspec_sampling_distribution(ckpt_factory):
     """fp32, a LoopSpec engine's defaults (no compile, vLLM's full graphs for every step; named
     ``..._compiled`` until 2026-12-06, though it started the default engine since the 12-04 fast start),
@@ -530,6 +541,7 @@ def test_triton_lane_attention_on_gpu(dtype, heads, D, prefix0, split, rope):
             tol=1e-5 if dtype == torch.float32 else 2e-2, prefix0=prefix0, rope=rope)
 
 
+@pytest.mark.engine
 def test_loopspec_plain_decode_runs_full_cuda_graphs(ckpt_factory):
     """In a LoopSpec engine, decode steps of 1 token per request (requests the lanes do not serve,
     here: logprobs; the lanes policy's plain steps) have full CUDA graphs

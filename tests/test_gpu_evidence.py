@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_evidence.sh"
 
@@ -32,6 +34,7 @@ def _collected(expression: str) -> set[str]:
     return {line for line in proc.stdout.splitlines() if line.startswith("tests/test_gpu.py::")}
 
 
+@pytest.mark.slow  # nine pytest collections in subprocesses
 def test_gpu_test_parts_select_every_gpu_test_once(tmp_path):
     proc, calls, phases = _run(tmp_path, "identity", "gpu-tests")
     assert proc.returncode == 0, proc.stderr

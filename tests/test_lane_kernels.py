@@ -139,6 +139,7 @@ CASES = [(layout, heads, D, 37, split, None) for layout in ("split-last", "cpu-k
          ("cpu-kt", (3, 3), 24, 37, {"bias": True}, None)]
 
 
+@pytest.mark.slow
 def test_triton_lane_attention_equals_the_torch_path():
     """GQA and MHA, a head size that is not a power of two (Huginn's 96 is not either), both
     in-page layouts, a prefix spanning three non-contiguous blocks, ancestors, a padding row; the
@@ -256,6 +257,7 @@ def compare_swiglu_down(device: str, dtype, shapes=((1, 40, 72), (4, 24, 300), (
         swiglu_down(torch.zeros(2, 7, dtype=dtype, device=device), torch.zeros(3, 3, dtype=dtype, device=device))
 
 
+@pytest.mark.slow
 def test_triton_skinny_gemm_equals_torch():
     """The few-rows split-K GEMM of the lanes' linear layers, plain and with SiLU-and-mul fused
     (``swiglu_down``), interpreted: fp16 and fp32 (the interpreter's numbers are NumPy's)."""
@@ -265,6 +267,7 @@ def test_triton_skinny_gemm_equals_torch():
     assert "GEMM OK" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_lane_kernels_compile_for_hopper_with_pdl():
     """Every lane kernel compiled (not run: no GPU here) for the H200's sm_90 with programmatic
     dependent launch on (``kernels/pdl.py``), as the engine would launch it at Ouro-1.4B's and
@@ -335,6 +338,7 @@ def _compile_for_hopper() -> None:
     print(f"HOPPER OK: {len(built)} launches compiled for sm_90 with PDL ({len(names)} kernels)", flush=True)
 
 
+@pytest.mark.engine
 def test_triton_lane_attention_in_the_engine(ckpt_factory):
     """A CPU engine whose lanes attend with the kernel (interpreted; lane calls padded to the graph
     shapes): 8 staggered greedy requests equal the reference token for token, nothing leaks."""
@@ -420,6 +424,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_lane_calls_take_vllms_cuda_custom_ops(ckpt_factory):
     """Lane calls run the layers outside vLLM's compiled forward: on CUDA they dispatch every custom op
     (SiLU-and-mul, rotary, RMSNorm) to vLLM's CUDA implementation for their length, whatever the

@@ -14,6 +14,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test builds every plugin model in a subprocess (~20 s)
+
 # (family, options, tensor dropped from the checkpoint, the name the error must give)
 CASES = [
     ("ouro", {}, "model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),

@@ -238,6 +238,7 @@ def test_live_lanes_gauge_returns_to_zero_after_an_abort_storm(server):
     _greedy_served_exactly(server)
 
 
+@pytest.mark.engine
 def test_a_requested_shutdown_exits_zero(server):
     """Last in this module: SIGTERM stops the server with status 0 (only an engine that died while
     serving makes it exit 1: tests/test_serve_failures.py)."""

@@ -66,6 +66,7 @@ print("RESULT" + ModelRegistry._try_load_model_cls("CoconutGPT2LMHeadModel").__n
 """
 
 
+@pytest.mark.slow
 def test_supported_vllm_registers_the_real_classes():
     res = _run(SUPPORTED)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -94,6 +95,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_plugin_models_are_inspected_in_process(tmp_path):
     """On an empty model-info cache vLLM inspects a lazily registered class in a fresh Python
     subprocess (~20 s of a cold start on the H200 host); the plugin's own classes are inspected in

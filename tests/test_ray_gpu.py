@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.skipif(
     torch.cuda.device_count() < 2 or importlib.util.find_spec("ray") is None,
     reason="needs 2 NVIDIA GPUs and Ray (the CPU platform has no Ray executor)",
-)
+)]
 
 
 def _cmdline(pid: int) -> bytes:

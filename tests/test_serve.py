@@ -75,6 +75,7 @@ def test_config_missing_required_key_fails_at_startup(ckpt_factory, tmp_path):
         LLM(str(dst))
 
 
+@pytest.mark.engine
 def test_vllm_serve_cli_reports_bad_loop_count(ckpt_factory):
     proc = subprocess.run(
         [VLLM, "serve", ckpt_factory("ouro"), "--hf-overrides", json.dumps({"total_ut_steps": -1})],

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 
 from vllm_loop.testing.checkpoints import make_checkpoint
 from vllm_loop.testing.engines import Server, kill_while_streaming
+
+pytestmark = pytest.mark.engine
 
 
 def _workers(server: Server) -> list[tuple[int, str]]:

@@ -34,6 +34,7 @@ print("RESULT" + json.dumps({c.__name__: ours(c) for c in (OuroModel, RavenModel
 """
 
 
+@pytest.mark.slow
 def test_only_the_plugins_compiled_classes_are_changed():
     res = subprocess.run([sys.executable, "-c", CLASSES], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

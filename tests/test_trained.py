@@ -79,6 +79,7 @@ def test_corpus_split(corpus):
 
 
 # -- training --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["ouro", "raven"])
 def test_training_is_deterministic_given_the_seed(tmp_path, corpus, family):
     from vllm_loop.training.train import preset, train
@@ -96,6 +97,7 @@ def test_training_is_deterministic_given_the_seed(tmp_path, corpus, family):
     assert len(first) == 4
 
 
+@pytest.mark.slow  # trains the session's tiny models (~100 s)
 def test_trained_folder_has_the_factory_config_keys_and_tensor_names(trained, tmp_path):
     from safetensors import safe_open
 
@@ -117,6 +119,7 @@ def test_trained_folder_has_the_factory_config_keys_and_tensor_names(trained, tm
         assert record["steps"] == TEST_STEPS and "public domain" in record["corpus"]["license"]
 
 
+@pytest.mark.slow  # the trained fixture
 @pytest.mark.parametrize("family", ["ouro", "raven"])
 def test_trained_module_matches_the_reference_at_every_depth(trained, family):
     """The training module and the reference read the exported checkpoint the same way."""
@@ -139,6 +142,7 @@ def test_trained_module_matches_the_reference_at_every_depth(trained, family):
         torch.testing.assert_close(got[r], want[r], atol=2e-4, rtol=0, msg=lambda m: f"depth {r}: {m}")
 
 
+@pytest.mark.slow  # the trained fixture
 def test_cached_tiny_model_is_reused(trained):
     from vllm_loop.testing.trained import tiny_trained
 
@@ -148,6 +152,7 @@ def test_cached_tiny_model_is_reused(trained):
     assert (path / "training.json").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_train_looped_cli_trains_and_evaluates(tmp_path, corpus):
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, str(REPO / "benchmarks/train_looped.py"), "--preset", "tiny", "--models",
