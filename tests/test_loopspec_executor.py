@@ -314,6 +314,7 @@ COUPLED_PARAMS = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(tempe
                   SamplingParams(temperature=0.7, top_k=20, top_p=0.95), SamplingParams(temperature=1.3)]
 
 
+@pytest.mark.slow  # ~13 s a case on 2 cores
 @pytest.mark.parametrize("params", COUPLED_PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
 def test_coupled_loopspec_equals_coupled_decoding_token_for_token(ouro_models, raven_models, params):
     """Coupled LoopSpec commits, at every position, the target's own noisy argmax: its tokens equal
