@@ -13,7 +13,7 @@ than ``max_model_len``, from vLLM 0.26's own functions, on the CPU (no engine, n
    engines use, ``vllm_patches.loopspec.install_loopspec_packed_kv``). In the packed layout it lands up to L
    pages below the allocation. That was a guess at why only LoopSpec engines crashed; on an H100 a
    vanilla engine given the packed layout started and generated (``full_graphs_probe.py``'s
-   ``vanilla-huginn-fp32-packed``, forty-first run), so the layout alone is not the reason.
+   ``vanilla-huginn-fp32-packed``), so the layout alone is not the reason.
 
     python benchmarks/dummy_run_overread.py
 """

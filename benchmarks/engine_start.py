@@ -7,15 +7,15 @@ Every start runs in its own process. ``cold``: vLLM's, Inductor's and Triton's c
 whatever is built on first use (lane graphs, where the lanes policy runs lanes), the second does not. vLLM's log
 lines give the phases (weights, Dynamo, Inductor, the whole compile, graph capture, ``init engine``).
 
-``--variants`` picks settings to compare on the same checkpoint: ``default`` (since 2026-12-04 a
+``--variants`` picks settings to compare on the same checkpoint: ``default`` (a
 LoopSpec engine on one GPU starts without torch.compile, ``loopspec/config.py:
 fast_start_compilation``); ``compiled`` (``compilation_config={"mode": 3}``: vLLM's torch.compile, as
-every variant below asks for it too, so the runs before 2026-12-04 compare with these);
+every variant below asks for it too, so the runs before the fast start compare with these);
 ``no-aot`` (``VLLM_USE_AOT_COMPILE=0``: no ahead-of-time compiled artifact is serialized; a warm
 start re-runs Dynamo and loads Inductor's cached graphs instead); ``capture-256``
 (``compilation_config.max_cudagraph_capture_size`` 256 given explicitly: what vLLM picks for 128
-sequences without speculative decoding, and the plugin's default for LoopSpec engines since
-2026-12-03; before, vLLM's draft-model size, 512); ``no-aot-capture-256`` (both); ``inline-save``,
+sequences without speculative decoding, and the plugin's default for LoopSpec engines;
+before it, vLLM's draft-model size, 512); ``no-aot-capture-256`` (both); ``inline-save``,
 ``no-gc-freeze``, ``one-compile-thread``, ``vllm-startup``: the plugin's start-up changes
 (``vllm_patches.startup.install_compiled_model_startup``: the compiled forward saved from a child process, no
 full collections while compiling, Inductor's Triton kernels built by a pool of processes) turned off,
@@ -49,7 +49,7 @@ import loopspec_speed  # noqa: E402  (the shapes and their factory checkpoints)
 
 NO_AOT, INLINE_SAVE, NO_FREEZE, ONE_THREAD = {"VLLM_USE_AOT_COMPILE": "0"}, {"VLLM_LOOP_AOT_SAVE": "inline"}, \
     {"VLLM_LOOP_GC_FREEZE": "0"}, {"VLLM_LOOP_COMPILE_THREADS": "1"}
-# vLLM's torch.compile asked for: a LoopSpec engine skips it by default since 2026-12-04
+# vLLM's torch.compile asked for: a LoopSpec engine skips it by default
 COMPILED = {"compilation_config": {"mode": 3}}
 CAPTURE_256 = {"compilation_config": {"mode": 3, "max_cudagraph_capture_size": 256}}
 VARIANTS = {  # name -> (environment, engine keyword arguments)

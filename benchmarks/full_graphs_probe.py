@@ -4,7 +4,7 @@ illegal memory access takes its process down).
 
 The cases are tiny factory checkpoints (vanilla and LoopSpec; fp32 with Triton attention, as the GPU
 identity tests run, and bf16 with vLLM's default attention) at ``max_model_len`` 128 or 1024 and a
-largest capture size of 512 or 64 tokens asked for. Its first form (thirty-ninth run, an H100)
+largest capture size of 512 or 64 tokens asked for. Its first form (an H100, benchmarks/RESULTS.md)
 found LoopSpec engines crashing at start-up wherever the capture exceeded ``max_model_len``; a LoopSpec
 engine now caps its graphs at ``max_model_len`` (``loopspec/config.py: graph_capture_sizes``). vLLM's
 warm-up over-reads the block table in every engine (``dummy_run_overread.py``); whether vLLM's packed
@@ -35,8 +35,8 @@ CASES = {  # name -> (checkpoint, speculative config or None, dtype, largest cap
     "loopspec-huginn-bf16": (HUGINN, LOOPSPEC_1_5, "bfloat16", 512, 128),
     "vanilla-ouro-fp32": (OURO, None, "float32", 512, 128),
     # vanilla-huginn-fp32 with vLLM's packed KV layout (one allocation for all layers), which a LoopSpec
-    # engine always has: does the layout alone make a vanilla engine's over-read crash? (H100, forty-
-    # first run: no, it started)
+    # engine always has: does the layout alone make a vanilla engine's over-read crash? (On an H100,
+    # benchmarks/RESULTS.md: no, it started)
     "vanilla-huginn-fp32-packed": (HUGINN, None, "float32", 512, 128),
 }
 

@@ -15,9 +15,8 @@
 #   huginn    Huginn-0125 shape (R=32): 2:8 and the tuner's schedule for the same checkpoint
 #             (benchmarks/results/huginn-0125-tune.json, made on a CPU by the command in RESULTS.md),
 #             concurrency 1 and 4; a profile of the tuned schedule's lane steps at 1 (the tuned schedule
-#             with "step_tokens": 64 is no longer run: 1.028x the default on one H100 host in the
-#             thirty-first run, 1.002x on another in the thirty-sixth, where the engine between two
-#             lane steps measured 0.63 ms, 0.6 % of the decode);
+#             with "step_tokens": 64 is no longer run: 1.028x and 1.002x the default on two H100
+#             hosts, where the engine between two lane steps measured 0.63 ms, 0.6 % of the decode);
 #             = huginn-1 (concurrency 1 and the profile) then huginn-4
 #   kernels   the Triton kernels against PyTorch, then the lane attention's one-pass vs two-pass merge
 #             timed = kernel-tests then merge-sweep (a part named twice in a run runs once)
@@ -38,8 +37,8 @@
 #             test no other part names, so none is left out)
 # About 5 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
 # huginn, identity and gpu-tests are steps of their own, each sized from per-test times on an H100 to
-# fit ~10 minutes (the limit of one command on some hosts). As steps on an H100 (thirty-fourth run):
-# parity-tests 5.4, raven-parity-tests 3.2, nocompile-tests 2.7 (4.1 as a fresh host's first, thirty-fifth),
+# fit ~10 minutes (the limit of one command on some hosts). As steps on an H100 (benchmarks/RESULTS.md):
+# parity-tests 5.4, raven-parity-tests 3.2, nocompile-tests 2.7 (4.1 as a fresh host's first),
 # other-tests 3.4 minutes.
 set -u
 all="kernels speed knobs random huginn identity gpu-tests"

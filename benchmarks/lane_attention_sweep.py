@@ -10,7 +10,7 @@ tokens) wide, after checking each setting against the PyTorch lane attention:
 * ``w{lane warps}m{merge warps}`` (64-block tables): warps per program of the lane kernel and of
   the two-pass merge kernel (not launched where a call merges one-pass).
 
-One JSON line per case; benchmarks/RESULTS.md (thirteenth run) has the H200's:
+One JSON line per case; benchmarks/RESULTS.md (benchmarks/RESULTS.md) has the H200's:
 
     python benchmarks/lane_attention_sweep.py --out benchmarks/results/lane-attention-warps-pieces-h200.jsonl
 
@@ -131,7 +131,7 @@ def settings_swept(case, width, paged) -> dict:
 
 
 def settings_new_vs_old(case, width, paged) -> dict:
-    """The module's settings against the thirteenth run's: 4 warps, the prefix split over the whole table."""
+    """The module's settings against the earlier ones: 4 warps, the prefix split over the whole table."""
     from vllm_loop_kernels.lane_attention import default_split
 
     split = default_split(case[1] * case[2], paged.num_heads)
@@ -194,7 +194,7 @@ def ancestors_sweep(baseline: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="lane-attention-sweep.jsonl")
-    ap.add_argument("--new-vs-old", action="store_true", help="the module's settings against the thirteenth run's")
+    ap.add_argument("--new-vs-old", action="store_true", help="the module's settings against the earlier ones")
     ap.add_argument("--merge", action="store_true", help="one-pass merge against two-pass, on the sweep's cases")
     ap.add_argument("--ancestors", metavar="FILE", help="deep lane windows: the module's kernel against FILE's")
     ap.add_argument("--blocks", action="store_true", help="warps x positions a step x a program, engine lane counts")

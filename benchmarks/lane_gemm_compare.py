@@ -13,7 +13,7 @@ PyTorch and Triton (no vLLM), so it runs on a bare GPU host in a few seconds:
     python benchmarks/lane_gemm_compare.py --out benchmarks/results/lane-gemm-compare-h200.txt
 
 ``--swiglu`` times the MLP's second half as a lane call runs it instead: vLLM's ``silu_and_mul``
-then cuBLAS's down projection (two launches, what lane calls ran before 2026-12-04), against
+then cuBLAS's down projection (two launches, what lane calls ran before swiglu_down), against
 ``swiglu_down`` (one) in several configurations, with and without its activation loads one iteration
 ahead; needs vLLM:
 
@@ -138,7 +138,7 @@ def swiglu(args) -> None:
 
     from vllm_loop_kernels.skinny_gemm import SWIGLU_NARROW, SWIGLU_WIDE, GemmConfig, skinny_gemm, swiglu_down
 
-    plain = GemmConfig(32, 128, 4, 2, 8)  # the plain GEMM's fastest on the down projections (seventeenth run)
+    plain = GemmConfig(32, 128, 4, 2, 8)  # the plain GEMM's fastest on the down projections (benchmarks/RESULTS.md)
     configs = [plain, GemmConfig(16, 256, 4, 2, 4), GemmConfig(32, 256, 4, 2, 4), GemmConfig(16, 128, 4, 2, 8),
                GemmConfig(32, 128, 4, 3, 8), SWIGLU_WIDE, SWIGLU_NARROW]
     label = lambda c: f"{c.block_n}x{c.block_k} w{c.warps} s{c.stages} k{c.splits}"  # noqa: E731
@@ -174,7 +174,7 @@ def swiglu(args) -> None:
 
 # name -> (projections, down projection, PDL): what a lane call's layer runs
 CHAIN_VARIANTS = {
-    "cuBLAS, silu_and_mul + cuBLAS down (before 2026-12-04)": ("cublas", "unfused", False),
+    "cuBLAS, silu_and_mul + cuBLAS down (before swiglu_down)": ("cublas", "unfused", False),
     "cuBLAS, swiglu_down (default)": ("cublas", "fused", False),
     "cuBLAS, swiglu_down, PDL": ("cublas", "fused", True),
     "Triton GEMMs, swiglu_down": ("triton", "fused", False),

@@ -2,7 +2,7 @@
 
 At many requests a recurrent step of lanes holds hundreds of lanes (~196 at 64 Ouro-1.4B requests),
 and the host's part of it -- the pipelines' decisions, packing each lane call's rows, the commits --
-grew to ~4.3 ms a recurrent step on the H200's host (benchmarks/RESULTS.md, twenty-fourth run),
+grew to ~4.3 ms a recurrent step on the H200's host (benchmarks/RESULTS.md),
 next to ~6.3 ms of GPU kernels. At short contexts, where the lane attention is small, that host time
 is what a lane step costs, and it decides whether lanes beat plain decoding at 64-128 requests.
 

@@ -3,7 +3,7 @@
 One checkpoint (factory-made, real tensors: ``--agreement`` makes early depths agree with the final
 one, so proposals get accepted; 0 = random weights), one engine per system, each in its own
 subprocess with the same vLLM settings (defaults: bf16, CUDA graphs on a GPU; torch.compile for every
-engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-compiled`` below):
+engine but LoopSpec's, which skips it by default, see ``SYSTEM-compiled`` below):
 
 * ``vanilla``  -- this plugin's model, ordinary decoding;
 * ``vanilla-sync`` -- the same with ``async_scheduling=False`` (it shows what vLLM's asynchronous
@@ -18,7 +18,7 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``loopspec-torch`` -- the same with the PyTorch lane attention (``"lane_attention": "torch"``);
 * ``vanilla-fused`` / ``loopspec-auto-fused`` -- ``vanilla`` / ``loopspec-auto`` with
   ``compilation_config.custom_ops = ["all"]``: vLLM's forward with its CUDA custom ops instead of the
-  native ops Inductor fuses (vLLM's default under torch.compile, and since 2026-12-01 a LoopSpec
+  native ops Inductor fuses (vLLM's default under torch.compile, and a LoopSpec
   engine's too: its lane calls take the CUDA ops themselves, ``lane_graphs.cuda_custom_ops``; before,
   a LoopSpec engine on CUDA set "all" for the whole engine);
 * ``loopspec-triton`` / ``loopspec-fused`` / ``loopspec-triton-fused`` -- lanes on with the Triton
@@ -26,22 +26,22 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
 * ``loopspec-auto`` -- the defaults with ``"lanes": "auto"`` (the policy picks lanes or plain decoding;
   on a GPU with async scheduling: plain steps pipelined, lanes-mode steps as barriers);
 * ``loopspec-auto-sync`` -- the same with ``async_scheduling=False`` (how every LoopSpec engine
-  scheduled before 2026-12-01);
+  scheduled before async scheduling);
 * ``loopspec-serial`` / ``loopspec-auto-serial`` -- ``loopspec`` / ``loopspec-auto`` with
   ``"lane_overlap": "off"``: each recurrent step of a lane step enqueued only after the host has
-  decided the one before (how every lane step ran before 2026-12-02);
+  decided the one before (how every lane step ran before overlap);
 * ``loopspec-chain`` / ``loopspec-auto-chain`` -- ``loopspec`` / ``loopspec-auto`` with
   ``"step_tokens": 0``: a request's drafts are its lane chain alone, so a lane step commits at most
-  1 + ceil(R / d1) tokens a request (the default before 2026-12-02 pads the chain to 16 drafts);
+  1 + ceil(R / d1) tokens a request (the default pads the chain to 16 drafts);
 * ``loopspec-pad`` / ``loopspec-auto-pad`` / ``loopspec-auto-pad32`` -- ``"step_tokens"`` 16 (the
-  default since 2026-12-02; named for the runs before) / 32;
+  default; named for the runs before it was) / 32;
 * ``loopspec-tuned`` -- ``loopspec`` with the schedule the tuner recommends for this checkpoint:
   ``--tuned FILE`` is the JSON of ``python -m vllm_loop.tune CHECKPOINT ... --json FILE`` (its
   ``best`` d1 / d2 replace the spec's);
 * ``loopspec-tuned-late`` -- ``loopspec-tuned`` with greedy late re-proposals at the depths of
   ``--late`` (``"late": [...]``, ``vllm_loop/loopspec/schedule.py``);
 * ``SYSTEM-unfused`` (a LoopSpec system above) -- the same engine with the lane calls' SiLU-and-mul and
-  down projection as vLLM's two kernels (``VLLM_LOOP_LANE_SWIGLU=0``; the default since 2026-12-04 fuses
+  down projection as vLLM's two kernels (``VLLM_LOOP_LANE_SWIGLU=0``; the default fuses
   them, ``kernels/skinny_gemm.py: swiglu_down``);
 * ``SYSTEM-stepN`` (a LoopSpec system above; suffixes in any order, e.g. ``loopspec-tuned-step64-pdl``)
   -- ``"step_tokens": N``: up to N drafts a request a step, and, while no
@@ -60,14 +60,14 @@ engine but LoopSpec's, which skips it by default since 2026-12-04, see ``SYSTEM-
   ``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}`` (vLLM's forward eager
   with its CUDA custom ops, decode steps still replayed from vLLM's full CUDA graphs; LoopSpec's lane
   graphs unchanged). It starts without Dynamo / Inductor (most of a looped model's cold start). From
-  2026-12-04 to 2026-12-06 this was a LoopSpec engine's default on one CUDA GPU;
+  this was a LoopSpec engine's default on one CUDA GPU before full graphs for mixed steps;
 * ``SYSTEM-compiled`` -- the same engine with vLLM's ``torch.compile`` asked for
-  (``compilation_config={"mode": 3}``): vanilla's default, a LoopSpec engine's before 2026-12-04;
+  (``compilation_config={"mode": 3}``): vanilla's default, and a LoopSpec engine's before its fast start;
 * ``SYSTEM-fullgraphs`` -- no ``torch.compile`` and vLLM's full CUDA graphs for every step of up to 512
   tokens, prefills and mixed steps included (``{"mode": 0, "cudagraph_mode": "FULL",
   "max_cudagraph_capture_size": 512}``; vLLM falls back to decode-only graphs where the attention
   backend cannot replay mixed steps). A LoopSpec engine keeps its decode graphs apart from the mixed
-  ones (``vllm_patches.graphs.install_loopspec_decode_graphs``); since 2026-12-06 this is its default on one CUDA
+  ones (``vllm_patches.graphs.install_loopspec_decode_graphs``); this is its default on one CUDA
   GPU (``config.fast_start_compilation``; at ``max_model_len`` >= 512 the same engine).
 
 For each concurrency c: c requests with 32-token prompts, greedy (or ``--temperature`` / ``--top-p`` /
@@ -458,7 +458,7 @@ def side_by_side(results: dict[str, dict], runs: int) -> list[dict]:
         for r in res["rows"]:
             row = {"system": system, "concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1),
                    "ms_per_token_per_request": round(r["ms_per_token_per_request"], 3)}
-            if "t_first_s" in r:  # (absent from results written before 2026-12-06)
+            if "t_first_s" in r:  # (absent from older results)
                 row["first_token_ms"] = round(1000 * r["t_first_s"], 1)
             if r["concurrency"] in base:
                 b = base[r["concurrency"]]

@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 from vllm_loop.loopspec import policy as today  # noqa: E402
 
 MODELS = {  # name: the step costs of one bucket (fits, see each source)
-    # forty-second run, H100: lanes win ~1.5x at a wave's start, ~1.1x by its end
+    # an H100 run (benchmarks/RESULTS.md): lanes win ~1.5x at a wave's start, ~1.1x by its end
     "128-h100": dict(rows=128, lane_ms=lambda c: 80 + 0.36 * c, plain_ms=lambda c: 11.2 + 0.028 * c,
                      tokens=10.5, warmup_tokens=3.0),
-    # twelfth run, H200: lanes win below ~100 positions only
+    # an H200 run (benchmarks/RESULTS.md): lanes win below ~100 positions only
     "64-h200": dict(rows=64, lane_ms=lambda c: 20 + 0.09 * c, plain_ms=lambda c: 9.5 + 0.0085 * c,
                     tokens=2.8, warmup_tokens=1.0),
     # a few requests: lanes ~6x faster throughout (3.5 tokens a request in the time of two plain steps)

@@ -23,7 +23,7 @@ full commits it catches, and the recurrent steps a token costs under a simple mo
 proposal was made at depth d costs d - d1 steps beyond one; a full commit R - d1), as gamma (tokens
 per R steps) beside the paper's cascade's.
 
-On the H200 (benchmarks/RESULTS.md, twentieth run) the estimate was good news -- exact ties at d2
+On the H200 (benchmarks/RESULTS.md) the estimate was good news -- exact ties at d2
 would catch two thirds of the double rejections while firing on ~1 % of positions -- and the engine
 said otherwise: with the rule in the engine (exact ties, since removed) it fired on ~12 % of the
 committed tokens, and LoopSpec at 1:5 went from 6.9x to 5.5x vanilla.

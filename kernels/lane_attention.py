@@ -11,13 +11,13 @@ softmax), ``_lane_kernel`` runs one program per (lane, KV head, piece):
   a decode-shaped lane step has few lanes (4-8 at one request) and each lane walks its whole
   context, so one program per (lane, head) left most of the GPU idle and grew linearly with the
   context (H200, Ouro-1.4B shape, 4 lanes: 10.4 us per layer at 128 positions, 81 us at 1,024;
-  split: 9.7 and 25 us; benchmarks/RESULTS.md, twelfth run);
+  split: 9.7 and 25 us; benchmarks/RESULTS.md);
 * piece ``PIECES`` stores the lane's own new K/V into its pool slot and attends to itself and to
   its ancestors from the lane pool, ``BLOCK_N`` ancestors at a time (an R=32 lane cap lists up to
-  63; all at once, one warp spilled: 111 against 79 us at 28 Huginn-0125 lanes, twentieth run);
+  63; all at once, one warp spilled: 111 against 79 us at 28 Huginn-0125 lanes);
 * each leaves its running max, sum and weighted values; the last of a (lane, head)'s programs to
   arrive (an atomic counter) folds them into the output ("one-pass"), or ``_merge_kernel`` does
-  ("two-pass", as every call did before 2026-12-03): one-pass for a few (lane, head) pairs, where
+  ("two-pass", the original layout): one-pass for a few (lane, head) pairs, where
   it measured faster in the engine, two-pass for many, where it measured slower (``MERGE``).
 
 A lane's bank is ``bank_ids[depths[lane]]`` (the layer's banks, the lane's depth), looked up here
@@ -262,17 +262,17 @@ BLOCK_N = 16  # prefix positions per inner step
 # Warps per program. A decode-shaped program holds little work (a 16 x D block of K and V per step, a
 # handful of query heads): one warp per program let more programs run at once and took the (then two)
 # kernels from 14.7 to 11.6 us at 4 Ouro-1.4B lanes x 352 positions, 341 to 199 us at 256 lanes,
-# 80 to 48 us at 16 Huginn lanes (H200, Triton's default of 4 before; RESULTS.md, thirteenth run).
+# 80 to 48 us at 16 Huginn lanes (H200, Triton's default of 4 before; RESULTS.md).
 LANE_WARPS = MERGE_WARPS = 1
 # The prefix is split into pieces of `split` positions up to this many positions; a longer prefix gets
 # longer pieces. So the launch (and the partial results) stay the size of a 1,024-position table
 # whatever the engine's max_model_len: split over the whole block table, an 8,192-token table made
-# 16 lanes at 352 positions take 63 us instead of 30 (H200, thirteenth run).
+# 16 lanes at 352 positions take 63 us instead of 30 (H200).
 SPLIT_SPAN = 1024
 # "one-pass": the last program of a (lane, head) merges (one launch per layer, an atomic counter per
-# (lane, head)); "two-pass": a second kernel merges (no counters; the layout before 2026-12-03);
+# (lane, head)); "two-pass": a second kernel merges (no counters; the original layout);
 # "auto": one-pass for at most ONE_PASS_PAIRS (lane, KV head) pairs, else two-pass. In the engine on
-# the H200 (Ouro-1.4B shape, sixteenth run) one-pass took a recurrent step from 1.74-1.77 to 1.67 ms at
+# the H200 (Ouro-1.4B shape) one-pass took a recurrent step from 1.74-1.77 to 1.67 ms at
 # one request (<= 16 lane rows x 16 heads), was even at 4, and slower from 16 requests on (3.10 against
 # 2.91-2.95 ms at ~59 lanes; 7.8 against 6.4 ms at ~230; 15.3 against 11.5 ms at ~470).
 MERGE = "auto"
@@ -280,7 +280,7 @@ ONE_PASS_PAIRS = 256
 def default_split(lanes: int, kv_heads: int) -> int:
     """Prefix positions per program. Few (lane, head) pairs: short pieces, so that many programs share
     the walk; many: longer ones, since the GPU is full anyway and each piece costs a partial result.
-    Chosen from a sweep on the H200 (benchmarks/RESULTS.md, twelfth run): within ~2 us or ~6 % of the
+    Chosen from a sweep on the H200 (benchmarks/RESULTS.md): within ~2 us or ~6 % of the
     best swept split at every measured shape (4-256 Ouro-1.4B lanes, 16-64 Huginn lanes, prefixes of
     64-1,024 positions)."""
     pairs = lanes * kv_heads

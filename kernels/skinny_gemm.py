@@ -13,7 +13,7 @@ keep loads in flight, so split K as well. The grid is (output tiles of ``BLOCK_N
 multiplies them with all rows of ``x``. With ``splits > 1`` each program stores its fp32 partial and
 the last program of a tile to finish (``arrivals.py``) sums the tile's partials in slice order --
 the same sum whichever came last -- and writes the output, in one launch. On the H200
-(``benchmarks/lane_gemm_compare.py``, 2026-12-03) no configuration beat cuBLAS on the attention
+(``benchmarks/lane_gemm_compare.py``) no configuration beat cuBLAS on the attention
 output (6.0 us at best, as cuBLAS), and the best on the down projection (32 columns, 8 slices) took
 10.9-11.1 us against 11.9: ~1 % of an Ouro-1.4B recurrent step, not worth a second GEMM path.
 
@@ -25,7 +25,7 @@ rounds it: ``silu(gate)`` first, then the product). The gate and up loads go one
 their use: the activation is computed rather than fed to ``tl.dot`` as loaded, and without the manual
 prefetch their latency stayed in every iteration (26 us against 14.4 for the two kernels it replaces
 on Ouro-1.4B at 4 rows, and 0.28 ms more a recurrent step in the engine). With it, on the H200
-(twenty-sixth run): 9.8 / 11.1 / 11.6 us against 13.0 / 14.4 / 14.5 at 1 / 4 / 16 rows for
+(benchmarks/RESULTS.md): 9.8 / 11.1 / 11.6 us against 13.0 / 14.4 / 14.5 at 1 / 4 / 16 rows for
 Ouro-1.4B's down projection, 46.6 / 48.6 / 51.2 against 54.9 / 55.3 / 56.0 for Huginn-0125's.
 
 fp32 inputs multiply in full fp32 (``input_precision="ieee"``, not TF32). Runs on CUDA, and on the
@@ -178,11 +178,11 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0
     return out
 
 
-# The fused down projection's configurations, the fastest of those timed per shape in the
-# twenty-sixth run (results/lane-swiglu-down-h200.txt, 1-16 rows): narrow outputs (Ouro-1.4B's 2,048)
+# The fused down projection's configurations, the fastest of those timed per shape on the
+# H200 (results/lane-swiglu-down-h200.txt, 1-16 rows): narrow outputs (Ouro-1.4B's 2,048)
 # want K in 16 slices to give the GPU enough programs, wide ones (Huginn-0125's 5,280) 64 columns a
 # program in 8 slices. Above 16 rows (SWIGLU_MAX_ROWS) it was not timed and lane calls keep vLLM's
-# kernels (the plain few-rows GEMM lost to cuBLAS at 64 rows, seventeenth run).
+# kernels (the plain few-rows GEMM lost to cuBLAS at 64 rows).
 SWIGLU_NARROW, SWIGLU_WIDE = GemmConfig(32, 128, 4, 2, 16), GemmConfig(64, 128, 4, 2, 8)
 SWIGLU_MAX_ROWS = 16
 
@@ -200,15 +200,15 @@ def swiglu_down(h: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = No
 
 # The lanes' other projections through this kernel instead of cuBLAS (``VLLM_LOOP_LANE_GEMM=triton``,
 # ``models/layers.py: lane_linear``), for the launch overlap PDL gives a chain of Triton kernels
-# (``kernels/pdl.py``); cuBLAS's kernels are not launched that way. Without PDL the seventeenth run
+# (``kernels/pdl.py``); cuBLAS's kernels are not launched that way. Without PDL a run on the H200
 # (results/lane-gemm-splitk-h200.txt, 4 and 16 rows) had these within 0.2 us of cuBLAS on
 # Ouro-1.4B's matrices and 1-4 us slower on Huginn-0125's; with PDL, in the engine on the H200, an Ouro-1.4B
-# recurrent step took 1.615 ms against cuBLAS's 1.585 without PDL (thirtieth run): not the default.
+# recurrent step took 1.615 ms against cuBLAS's 1.585 without PDL (benchmarks/RESULTS.md): not the default.
 GEMM_MAX_ROWS = 16
 
 
 def gemm_config(n: int, k: int) -> GemmConfig:
-    """The fastest configuration timed (seventeenth run) for an ``[n, k]`` weight at <= 16 rows."""
+    """The fastest configuration timed (benchmarks/RESULTS.md) for an ``[n, k]`` weight at <= 16 rows."""
     if n * k <= 2048 * 2048:  # Ouro-1.4B's o projection: 6.0-6.1 us against cuBLAS's 6.0-6.1
         return GemmConfig(16, 256, 4, 4, 1)
     if k <= 2048:  # Ouro-1.4B's qkv and gate / up: 9.7-9.9 and 13.6-13.9 us (cuBLAS 9.5-9.7, 13.4-13.7)

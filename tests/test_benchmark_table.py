@@ -80,7 +80,7 @@ def test_cascade_suffix_picks_the_sampling_mode():
 
 
 def test_profile_floor_bandwidth_follows_the_gpu():
-    # the profile's floor used the H200's 4.8 TB/s on an H100 too (thirty-first run's H100 profile)
+    # the profile's floor used the H200's 4.8 TB/s on an H100 too (seen in an H100 profile)
     assert nominal_bandwidth("NVIDIA H100 80GB HBM3") == (3.35e12, "H100's nominal 3.35 TB/s")
     assert nominal_bandwidth("NVIDIA H200") == (4.8e12, "H200's nominal 4.8 TB/s")
     assert nominal_bandwidth("")[0] == 4.8e12  # a CPU run: the label still names the GPU assumed

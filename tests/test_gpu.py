@@ -35,8 +35,8 @@ def test_plugin_smoke_on_gpu(ckpt_factory):
 
 # vLLM's forward compiled (a vanilla engine's default, asked for by name: a LoopSpec engine skips it by
 # default, config.fast_start_compilation) or not (eager, full decode graphs, the sandwich seams as this
-# plugin's Triton kernels instead of Inductor's fusions; a LoopSpec engine's default on one GPU until
-# 2026-12-06, when it took full graphs for mixed steps too)
+# plugin's Triton kernels instead of Inductor's fusions; what a LoopSpec engine ran on one GPU before
+# it took full graphs for mixed steps too)
 COMPILATION = {"compiled": {"compilation_config": {"mode": 3}},
                "nocompile": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}
 COMPILED = COMPILATION["compiled"]
@@ -400,7 +400,7 @@ def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
     V2 runner has no custom speculative methods). Left to its defaults, vanilla Ouro on CUDA takes the
     V2 runner, whose seeded sampling draws other random numbers than V1's per-request
     ``torch.Generator``: its seeded rows differ from any V1 engine's, LoopSpec or not (traced on the
-    H200, benchmarks/RESULTS.md, eighth run)."""
+    H200, benchmarks/RESULTS.md)."""
     from vllm_loop.loopspec.policy import PATTERN_ENV
     from vllm_loop.testing.engines import mixed_batch
 
@@ -424,9 +424,8 @@ def test_loopspec_mixed_rows_compiled(ckpt_factory, scheduling):
 
 @pytest.mark.engine
 def test_loopspec_sampling_distribution(ckpt_factory):
-    """fp32, a LoopSpec engine's defaults (no compile, vLLM's full graphs for every step; named
-    ``..._compiled`` until 2026-12-06, though it started the default engine since the 12-04 fast start),
-    with the CUDA defaults (lane graphs, the Triton lane attention): seeded top-k
+    """fp32, a LoopSpec engine's defaults (no compile, vLLM's full graphs for every step), with the CUDA
+    defaults (lane graphs, the Triton lane attention): seeded top-k
     and top-p samples of LoopSpec's first tokens follow the exact distribution of ordinary sampling
     (the reference model's, enumerated), every branch of the cascade ran, nothing leaks. Here the
     readouts' top-k / top-p filter runs on the GPU (``pipeline.readout_values``)."""

@@ -357,7 +357,7 @@ def _engine_run(path: str) -> None:
 
     jobs = greedy_jobs(n=8)
     # step_tokens 0 (drafts = the lane chain): interpreted, this run took 590 s on 2 CPU cores with it and
-    # 675 s with the default padding (2026-12-02); the padding has its own engine tests
+    # 675 s with the default padding; the padding has its own engine tests
     spec = {"method": "loopspec", "lanes": "on", "d1": 1, "d2": 2, "lane_attention": "triton", "lane_graphs": "on",
             "step_tokens": 0}
     with worker_functions():

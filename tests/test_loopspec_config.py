@@ -294,7 +294,7 @@ def test_full_graphs_keep_decode_graphs_apart():
 
 def test_full_graphs_asked_for_are_kept(ckpt_factory):
     """A LoopSpec engine asked for ``{"mode": 0, "cudagraph_mode": "FULL"}`` keeps it (the user's config
-    is not rewritten; before 2026-12-06 it fell back to decode-only graphs)."""
+    is not rewritten; it once fell back to decode-only graphs)."""
     from types import SimpleNamespace as NS
 
     from vllm.config.compilation import CUDAGraphMode

@@ -238,7 +238,7 @@ def test_lanes_must_beat_plain_by_a_margin():
 
 
 def test_a_rate_from_far_longer_contexts_is_measured_again_before_the_other_mode_runs_on_it():
-    """The forty-second run's 128-request case (an H100): plain won, ran to ~600 positions a request and
+    """A 128-request case measured on an H100 (benchmarks/RESULTS.md): plain won, ran to ~600 positions a request and
     slowed down there; the next wave of requests began at ~70 positions with a planned lane re-check, whose
     rate was then compared with plain's from ~600 positions. Plain is measured again at once instead, and
     runs on when it is the faster at today's contexts. A mode's older rate from *shorter* contexts (it
@@ -301,7 +301,7 @@ def test_a_mode_s_average_restarts_when_its_contexts_drop():
 def test_a_slower_sample_from_far_shorter_contexts_is_a_stall_not_a_new_wave():
     """Shorter contexts are faster, so a steady sample from far shorter contexts that is slower than the
     mode's average is a stalled step: it is averaged in, not taken as the new rate, and the faster mode
-    keeps running (it replaced the lanes' rate before, and plain steps ran on that; forty-fifth run's model)."""
+    keeps running (it replaced the lanes' rate before, and plain steps ran on that, in the stall model)."""
     policy = LanePolicy(trial=2, recheck=1000, smoothing=0.3)
     for lanes, rate in ((True, 3000.0), (True, 3000.0), (False, 600.0)):  # plain's trial ends early
         assert policy.lanes(4) is lanes

@@ -15,7 +15,7 @@ vLLM 0.26's CPU platform refuses the Ray executor, so the engines use the multip
 workers to one NUMA node). A TP engine whose start fails is started once more, and a warning in the test
 summary says so: the multiprocessing executor picks its distributed-init port by binding port 0 and
 closing it, and the workers bind it later (vllm-project/vllm#39015), a start that a busy machine can
-lose. CI lost one start on 2026-12-07, after ten CI runs on record that passed (its root cause fell
+lose. CI once lost one start after ten runs that passed (its root cause fell
 outside the part of the log CI kept, so this race is the candidate, not the proven cause). A start that
 fails twice fails the test. The last test checks the sharded q/k norm without an engine, ranks simulated
 by threads, including replicated KV heads (fewer KV heads than ranks).

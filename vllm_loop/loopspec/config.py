@@ -55,8 +55,8 @@ logger = get_logger(__name__)
 # ``step_tokens``: drafts a request is scheduled per engine step, at least. A lane step commits at most
 # 1 + its drafts a request (vLLM's contract), and each engine step around it costs ~1-2 ms on the H200
 # (the scheduler, the step's output, the lane pipeline's drain): with Ouro's 4-lane chains alone a lane
-# step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md, fourteenth run). 16: 1.05-1.18x
-# the chain alone at every concurrency 1-128 on the H200 (fifteenth run); 0: the chain alone.
+# step ended after ~4 recurrent steps of ~1.9 ms (benchmarks/RESULTS.md). 16: 1.05-1.18x
+# the chain alone at every concurrency 1-128 on the H200 (benchmarks/RESULTS.md); 0: the chain alone.
 STEP_TOKENS = 16
 MAX_STEP_TOKENS = 256
 
@@ -188,12 +188,12 @@ def fast_start_compilation(compilation, *, enforce_eager: bool, optimization_lev
     (``lane_graphs.py``) and never call vLLM's forward; that forward serves prefills, lane-verifying
     steps and the lanes policy's plain steps. Compiling it (Dynamo tracing the T x L unrolled layers,
     then Inductor) was most of a cold start and bought no measurable speed at 1-4 requests (H200,
-    benchmarks/RESULTS.md, twenty-second run); plain steps without it run the sandwich seams as the
+    benchmarks/RESULTS.md); plain steps without it run the sandwich seams as the
     plugin's kernels (``layers._fused_seam``). vLLM's full CUDA graphs replay every step it can
     (``cudagraph_mode`` FULL: prefills and mixed steps too, up to ``graph_capture_sizes``; decode steps in
     their own graphs, ``vllm_patches.graphs.install_loopspec_decode_graphs``): without them an eager prefill
-    was 63-79 ms of a one-request first token (an H100, thirty-ninth run; in graphs Ouro-1.4B's first
-    token 92.5 -> 13.9 ms, Huginn-0125's 142.6 -> 51.0 ms, fortieth run). Only where the user set
+    was 63-79 ms of a one-request first token (an H100, benchmarks/RESULTS.md; in graphs Ouro-1.4B's first
+    token 92.5 -> 13.9 ms, Huginn-0125's 142.6 -> 51.0 ms). Only where the user set
     neither (no ``mode`` / ``cudagraph_mode`` in ``--compilation-config``, no ``-O``, no
     ``--enforce-eager``), on CUDA, with one GPU (lane graphs need it; tensor parallel keeps vLLM's
     default, not measured)."""
@@ -215,7 +215,7 @@ def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: 
     ``min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512)`` (512 for LoopSpec at any batch, its
     drafts being 16+), where a LoopSpec engine's plain steps have one token a request; so, unless the
     user set sizes, a vanilla engine's ``min(max_num_seqs x 2, 512)``: at 128 sequences 35 graphs
-    instead of 51, and 6-7 s less start-up on the H200 (benchmarks/RESULTS.md, eighteenth run).
+    instead of 51, and 6-7 s less start-up on the H200 (benchmarks/RESULTS.md).
 
     Mixed-step full graphs (``cudagraph_mode`` FULL): prefills run in them, so vLLM's own 512 unless
     the user set sizes; and none longer than ``max_model_len``. vLLM 0.26's warm-up before capturing a
@@ -223,10 +223,9 @@ def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: 
     ``seq_lens = max_query_len``; vLLM issue #53658, fix #53671 unmerged), and its Triton attention
     loads block-table entries unmasked, so for n > ``max_model_len`` the last rows read ids from past
     the end of the block table (``benchmarks/dummy_run_overread.py``). Vanilla engines over-read too and
-    did not crash, LoopSpec engines did (an H100, thirty-ninth run: all four cases where n >
+    did not crash, LoopSpec engines did (an H100, benchmarks/RESULTS.md: all four cases where n >
     ``max_model_len``, none of five where not); what makes the garbage ids fatal only in LoopSpec
-    engines is not found (not their packed KV layout alone: a vanilla engine given it started, forty-
-    first run). A real step never has a request longer than ``max_model_len``; batches larger than the
+    engines is not found (not their packed KV layout alone: a vanilla engine given it started). A real step never has a request longer than ``max_model_len``; batches larger than the
     largest graph run eagerly."""
     if not mixed:
         if sizes is None and largest is None:

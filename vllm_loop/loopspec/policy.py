@@ -15,7 +15,7 @@ mode loses against the faster over its trial steps, plus the warm-up below; the 
 ``recheck`` decisions later, or later still if that is what keeps re-checks under ``budget`` of the
 bucket's engine time (at most 16 x ``recheck``). At 64-128 requests on the H200 a lane trial costs
 as much as ~7 plain steps, and re-checking every 256-1,024 steps was what kept LoopSpec below vanilla
-there (benchmarks/RESULTS.md, ninth run).
+there (benchmarks/RESULTS.md).
 
 The first step of a mode after the other is a *warm-up*. A lane step whose requests mostly start
 their lanes afresh (after plain steps or their prefill): every pipeline is empty, so each request
@@ -25,10 +25,10 @@ A warm-up counts as a trial step but not in its mode's rate -- it is the price o
 the re-check budget pays -- unless a trial saw nothing else. A trial whose first steady sample is
 clearly slower than the other mode ends there. (Before plain steps had warm-ups, a plain trial after
 lanes could end on its slow first step, and plain's rate stayed that step's: the likely reason lanes
-ran 141 of 259 steps at 64 requests on the H200 while losing, benchmarks/RESULTS.md, twelfth run.)
+ran 141 of 259 steps at 64 requests on the H200 while losing, benchmarks/RESULTS.md.)
 Plain steps are samples only in a batch that does not change (``scheduler.step_sample``): a plain
 trial at the end of a short run once ended on the step whose update finished requests, at a third of
-plain's steady rate, and lanes ran a whole 64-request case on that figure (twenty-fourth run).
+plain's steady rate, and lanes ran a whole 64-request case on that figure (benchmarks/RESULTS.md).
 
 The choice changes only on rates measured side by side (a trial or re-check), because both modes
 slow down as contexts grow: when running lanes fall below plain's older rate itself (not merely
@@ -36,16 +36,16 @@ within the margin that choosing lanes needs), plain is re-checked at once; when 
 lanes' older rate, nothing happens until the planned re-check, since lanes slow down faster with
 context (each of a request's lanes reads the whole context). At 128 requests on an H100 lanes ran
 ~1.09x plain a step at like contexts, just under the margin, and a re-check whenever they fell within
-it came every 4 decisions, with both modes' warm-ups each time (forty-second run). The other way
+it came every 4 decisions, with both modes' warm-ups each time (benchmarks/RESULTS.md). The other way
 round, a mode's older rate can come from much *longer* contexts than today's -- a new wave of requests
 after the last one finished -- and then it undersells that mode: it is re-checked at once, before the
 other runs on it (``stale_mode``); and a mode's own moving average starts afresh on a steady sample
 from far shorter contexts than its last one -- if that sample is not slower than the average: shorter
 contexts are faster, so a slower one is a stalled step (a GC pause, say). On an H100 a lane rate from 594
-positions a request once kept 64 fresh requests on plain steps for 1,407 decisions (forty-first run), and
-at 128 requests a lane rate from 73 positions was weighed against plain's from 597 (forty-second run,
-benchmarks/RESULTS.md). In a CPU model with random stalls (benchmarks/policy_stall_model.py, forty-fifth
-run) one stalled step at a new wave replaced the lanes' rate with a tenth of it, and plain steps ran the
+positions a request once kept 64 fresh requests on plain steps for 1,407 decisions (benchmarks/RESULTS.md), and
+at 128 requests a lane rate from 73 positions was weighed against plain's from 597
+(benchmarks/RESULTS.md). In a CPU model with random stalls (benchmarks/policy_stall_model.py) one
+stalled step at a new wave replaced the lanes' rate with a tenth of it, and plain steps ran the
 rest of the run where lanes were ~6x faster.
 
 ``lanes="on"`` always runs lanes, at the full budget. The decision is taken in the scheduler (one process), so every
@@ -79,13 +79,13 @@ _MODE = {True: "lanes", False: "plain"}
 PATTERN_ENV = "VLLM_LOOP_LANES_PATTERN"
 # A trial ends after its first steady sample when that shows the mode below this share of the other's
 # rate: at 64-128 requests on the H200 each further lane step of a trial costs ~1.5 plain steps' time
-# more than plain decoding would (benchmarks/RESULTS.md, ninth run).
+# more than plain decoding would (benchmarks/RESULTS.md).
 EARLY_END = 0.75
 # Lanes run only where they have measured this much faster than plain decoding. Switching to lanes pays
 # costs no sample sees: under async scheduling the drain before a lanes-mode step and the unpipelined
 # plain step after one, and the step that restarts every pipeline. At 64 requests on the H200 lanes
 # measured about even with plain steps and ran for half the tokens, and the run came out at 0.92x
-# vanilla (benchmarks/RESULTS.md, tenth run).
+# vanilla (benchmarks/RESULTS.md).
 LANES_MARGIN = 1.1
 # A mode's older rate undersells it when it was measured at more than this many times the context of the
 # other's newer one, plus CONTEXT_SLACK positions (a lane trial alone moves a request's context by up to
@@ -329,7 +329,7 @@ class LanePolicy:
             rate = self.chooser.best_rate(sample.rows)
         # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
         # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
-        # H100, forty-second run) unless it is slower, since shorter contexts are faster: that is a stalled
+        # H100) unless it is slower, since shorter contexts are faster: that is a stalled
         # step, and is averaged in like later samples
         fresh = b.seen[mode] == 0 or (not sample.warmup and far_longer(b.context.get(mode, 0.0), sample.context)
                                       and rate >= b.rate.get(mode, 0.0))

@@ -65,8 +65,8 @@ logger = get_logger(__name__)
 # Recurrent steps an engine step may take past its first commits while requests wait to join (Ouro-1.4B,
 # H200: ~27 ms at one request). With none waiting it may go on to ``step_tokens`` recurrent steps: the
 # engine step around a lane step (vLLM's scheduler, the step's output) took ~0.56 ms on the H200 at one
-# request beyond the lane step itself, ~2 % of Ouro-1.4B's decode (benchmarks/RESULTS.md, twenty-fifth run;
-# measured since as ``lane_step_gap_seconds``: 0.63 ms on an H100, 0.6 % of Huginn-0125's, thirty-sixth).
+# request beyond the lane step itself, ~2 % of Ouro-1.4B's decode (benchmarks/RESULTS.md;
+# measured since as ``lane_step_gap_seconds``: 0.63 ms on an H100, 0.6 % of Huginn-0125's).
 LOCKSTEP = 16
 
 

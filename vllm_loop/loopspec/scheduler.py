@@ -75,7 +75,7 @@ def step_sample(so, output, step: EngineCounters | None, seconds: float | None,
       step) in a batch that does not change: as many rows as the step before (``rows_before``), and
       none finishing in this step's update (``finishes``). Under async scheduling a step's time is the
       interval between two completions, and around a batch change those are not the steps' own: at
-      the end of a short run in the twenty-fourth run's trace, 24 ms for the step whose update
+      the end of a short run in a policy trace on the H200, 24 ms for the step whose update
       finished requests, 3.5 ms for the next, against 11.7 ms steady (Ouro-1.4B, 128 requests).
 
     Other steps (a prefill joined, a chain verified as drafts) say little about either mode's speed."""
@@ -239,7 +239,7 @@ class LoopSpecAsyncScheduler(LoopSpecScheduler, AsyncScheduler):
     def _next_is_lanes(self) -> bool:
         """Decided before the step is scheduled, for the rows it will likely have: the running requests
         and the waiting ones that fit (the running ones alone asked bucket 8 for a step that admitted
-        121 more requests: lanes started for all 128 and dropped a step later, twenty-fourth run)."""
+        121 more requests: lanes started for all 128 and dropped a step later)."""
         if self._wanted is None:
             rows = min(len(self.running) + len(self.waiting), self.max_num_running_reqs)
             self._wanted = self.lane_policy.lanes(max(1, rows))

@@ -41,7 +41,7 @@ SWIGLU_ENV = "VLLM_LOOP_LANE_SWIGLU"
 # Triton GEMM instead of vLLM's layer (cuBLAS), so that with VLLM_LOOP_PDL=1 (``kernels/pdl.py``) a
 # layer is a chain of Triton kernels launched with PDL (``lane_linear``; the benchmark's ``-tgemm``
 # systems); anything else: vLLM's layer. Off: with PDL it made an Ouro-1.4B recurrent step 1.9 % slower
-# on the H200 than cuBLAS without PDL (benchmarks/RESULTS.md, thirtieth run).
+# on the H200 than cuBLAS without PDL (benchmarks/RESULTS.md).
 GEMM_ENV = "VLLM_LOOP_LANE_GEMM"
 
 # LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call

@@ -106,7 +106,7 @@ class RavenModel(nn.Module):
         self.layout = BankLayout(prelude=P, core=C, coda=D, depth=self.depth, coda_depths=coda_depths)
         # depths without coda banks of their own (a logits call's padding rows, at depth 0) read the depth-R
         # set: the Triton lane kernel looks ``bank_ids[depth]`` up unchecked, and -1 read out of bounds (an
-        # illegal address on the H200 once late re-proposals added coda banks, twenty-first run)
+        # illegal address on the H200 once late re-proposals added coda banks)
         coda_index = torch.zeros((self.depth + 1,), dtype=torch.long)
         for k, r in enumerate(coda_depths):
             coda_index[r] = k

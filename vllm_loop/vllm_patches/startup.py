@@ -46,8 +46,8 @@ def install_inprocess_model_inspection() -> None:
     class in a fresh Python subprocess (``_LazyRegisteredModel.inspect_model_cls`` ->
     ``_run_in_subprocess``), so that importing a model cannot initialize CUDA in the front end; the
     result is cached in ``VLLM_CACHE_ROOT/modelinfos`` for later starts. That subprocess imports torch
-    and vLLM from scratch: 21-23 s of a cold engine start on the H200 host (benchmarks/RESULTS.md,
-    eighteenth run). This plugin's model modules create no CUDA state at import, so their classes are
+    and vLLM from scratch: 21-23 s of a cold engine start on the H200 host (benchmarks/RESULTS.md).
+    This plugin's model modules create no CUDA state at import, so their classes are
     inspected in this process instead (and cached as vLLM caches them); every other model keeps vLLM's
     subprocess."""
     from unittest import mock
@@ -74,8 +74,7 @@ AOT_SAVE_TIMEOUT_S = 900  # a save that has not finished by then ends its child 
 
 def install_compiled_model_startup() -> None:
     """A looped model's forward unrolls T x L layers, and on the H200 host a cold engine start spends
-    seconds after Dynamo and Inductor that only a looped model's size makes long (benchmarks/RESULTS.md,
-    eighteenth and nineteenth runs):
+    seconds after Dynamo and Inductor that only a looped model's size makes long (benchmarks/RESULTS.md):
 
     * **the saved artifact**: with ``VLLM_USE_AOT_COMPILE`` (vLLM's default on torch >= 2.10) the
       decorated model's ``save_aot_compiled_function`` pickles the whole traced graph, in pure Python
