@@ -34,7 +34,7 @@ CASES = {
 def test_converted_release_equals_the_native_folder(name, ckpt_factory, tmp_path):
     from transformers import AutoTokenizer
 
-    from vllm_loop.reference.latent import load_latent_reference
+    from vllm_loop.reference.latent_loading import load_latent_reference
 
     family, options, fmt, settings = CASES[name]
     released = Path(ckpt_factory(family, options={**options, "format": fmt}))

@@ -49,3 +49,24 @@ def test_every_package_folder_is_shipped():
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "vllm_loop").rglob("__init__.py")}
     assert (root / "kernels" / "__init__.py").exists() and setup["package-dir"] == {"vllm_loop_kernels": "kernels"}
     assert set(setup["packages"]) == found | {"vllm_loop_kernels"}
+
+
+def test_no_import_circle_among_the_references():
+    """``vllm_loop/reference/``: no module imports (at any depth, lazily or not) one that imports it back."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "vllm_loop" / "reference"
+    graph = {}
+    for path in folder.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm_loop.reference"):
+                names.add(node.module.rsplit(".", 1)[-1] if node.module != "vllm_loop.reference" else "__init__")
+        graph[path.stem] = names - {path.stem}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    circles = sorted(m for m in graph if reaches(m, m))
+    assert not circles, f"import circles through {circles}: {graph}"

@@ -138,7 +138,7 @@ def test_latent_cuda_graphs_match_eager_and_reference(ckpt_factory, name):
     from vllm import SamplingParams
 
     from vllm_loop.latent.spec import LatentSpec
-    from vllm_loop.reference.latent import load_latent_reference
+    from vllm_loop.reference.latent_loading import load_latent_reference
 
     family, options = LATENT[name]
     path = ckpt_factory(family, options=options)

@@ -38,7 +38,7 @@ def latent(request, ckpt_factory):
     from transformers import AutoTokenizer
 
     from vllm_loop.latent.spec import LatentSpec
-    from vllm_loop.reference.latent import load_latent_reference
+    from vllm_loop.reference.latent_loading import load_latent_reference
 
     family, options = FAMILIES[request.param]
     path = ckpt_factory(family, options=options)

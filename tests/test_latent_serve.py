@@ -27,7 +27,7 @@ def coconut_server(ckpt_factory, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from vllm_loop.latent.spec import LatentSpec
-    from vllm_loop.reference.latent import load_latent_reference
+    from vllm_loop.reference.latent_loading import load_latent_reference
 
     tmp = tmp_path_factory.mktemp("latent-serve")
     released = ckpt_factory("coconut", options={"format": "original"})

@@ -28,7 +28,9 @@ from vllm_loop.loopspec.verify import CommitSource
         ({"R": 4, "d1": True}, "d1 must be an integer"),
         ({"R": 4, "d1": 1, "gate": "yes"}, "gate must be true or false"),
         ({"R": 32, "d1": 2, "d2": 8, "late": (8,)}, "each late depth must be > d2=8 and < R=32"),
-        ({"R": 32, "d1": 2, "d2": 8, "late": (16, 12)}, "in increasing order"),
+        ({"R": 32, "d1": 2, "d2": 8, "late": (16, 12)}, "increasing order (12 comes after 16)"),
+        # the depth that breaks the order is named as such, not as d2 (the message once said "> d2=16")
+        ({"R": 32, "d1": 1, "d2": 2, "late": (3, 2)}, "late=[3, 2] is invalid: each late depth must be > d2=2 and"),
         ({"R": 32, "d1": 2, "d2": 8, "late": (16, 32)}, "< R=32"),
         ({"R": 32, "d1": 2, "d2": 8, "late": (15,)}, "15 is not a multiple of d1=2"),
         ({"R": 32, "d1": 2, "late": (1,)}, "each late depth must be > d1=2"),

@@ -22,7 +22,7 @@ from torch import nn
 from vllm_loop.latent import LatentSpec, resolve_latent_budget
 from vllm_loop.reference.codi import merge_lora
 from vllm_loop.reference.kv import SequenceKV
-from vllm_loop.reference.latent import load_latent_reference
+from vllm_loop.reference.latent_loading import load_latent_reference
 from vllm_loop.testing.checkpoints import make_checkpoint
 
 # the CODI transcription passes ``past_key_values`` exactly as the original does

@@ -147,7 +147,7 @@ def test_latent_greedy_matches_reference(latent):
     from vllm import SamplingParams
 
     from vllm_loop.latent.spec import LatentSpec
-    from vllm_loop.reference.latent import load_latent_reference
+    from vllm_loop.reference.latent_loading import load_latent_reference
 
     tok, ref = latent["tok"], load_latent_reference(latent["path"])
     spec = LatentSpec.from_config(json.loads((Path(latent["path"]) / "config.json").read_text()))

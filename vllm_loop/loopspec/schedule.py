@@ -79,16 +79,20 @@ class LoopSpecSchedule:
         if not isinstance(self.late, (tuple, list)):
             raise ValueError(f"LoopSpec schedule: late={self.late!r} is invalid: late must be a list of depths")
         object.__setattr__(self, "late", tuple(self.late))
-        lo = self.d2 if self.d2 is not None else d1
+        floor = ("d2", self.d2) if self.d2 is not None else ("d1", d1)
+        previous = None
         for k in self.late:
             k = _check_int("late", k, 1)
-            if not lo < k < R:
+            if not floor[1] < k < R:
                 raise ValueError(f"LoopSpec schedule: late={list(self.late)} is invalid: each late depth must be "
-                                 f"> {'d2' if self.d2 is not None else 'd1'}={lo} and < R={R}, in increasing order")
+                                 f"> {floor[0]}={floor[1]} and < R={R}")
+            if previous is not None and k <= previous:
+                raise ValueError(f"LoopSpec schedule: late={list(self.late)} is invalid: late depths must be in "
+                                 f"increasing order ({k} comes after {previous})")
             if k % d1:
                 raise ValueError(f"LoopSpec schedule: late={list(self.late)} is invalid: {k} is not a multiple "
                                  f"of d1={d1}")
-            lo = k
+            previous = k
 
     # -- construction from a speculative config ------------------------------------------------
     @classmethod

@@ -6,7 +6,7 @@ semantics, what the output holds) is specified in ``vllm_loop/latent/spec.py``; 
 time (a batch is a loop over requests: the engine must give every request the same result it would
 get alone).
 
-    from vllm_loop.reference.latent import load_latent_reference
+    from vllm_loop.reference.latent_loading import load_latent_reference
     ref = load_latent_reference("/tmp/tiny-coconut")
     answer, info = ref.generate(prompt_ids, latent_budget=3, max_new_tokens=16)
 
@@ -207,28 +207,3 @@ def strip_wrapper_prefix(config: Mapping[str, Any], tensors: Mapping[str, torch.
     if config.get("tie_word_embeddings", config.get("model_type") == "gpt2"):
         out.pop("lm_head.weight", None)
     return out
-
-
-def load_latent_reference(path: str | Path) -> LatentReference:
-    """The reference for a latent checkpoint folder, chosen by ``config.json`` ``architectures[0]``."""
-    config, tensors, gen = read_checkpoint(path)
-    arch = (config.get("architectures") or ["?"])[0]
-    if arch not in LATENT_ARCHITECTURES:
-        raise ValueError(f"architectures[0]={arch!r} is not a latent model; known: {', '.join(LATENT_ARCHITECTURES)}")
-    family, base = LATENT_ARCHITECTURES[arch]
-    spec = LatentSpec.from_config(config)
-    if spec is None:
-        raise ValueError(f"{path}: config.json has no 'latent_spec'")
-    eos = eos_ids(config.get("eos_token_id"), (gen or {}).get("eos_token_id"))
-    if family == "coconut":
-        from vllm_loop.reference.coconut import CoconutReference
-
-        return CoconutReference(make_decoder(base, config, strip_wrapper_prefix(config, tensors)), spec, eos)
-    if family == "lotus":
-        from vllm_loop.reference.lotus import LotusReference
-
-        mode = (config.get("lotus") or {}).get("latent_injection_mode", "add")
-        return LotusReference(make_decoder(base, config, strip_wrapper_prefix(config, tensors)), spec, eos, mode=mode)
-    from vllm_loop.reference.codi import CODIReference
-
-    return CODIReference.from_checkpoint(base, config, tensors, spec, eos)
