@@ -29,6 +29,14 @@
 #   sampled   the Ouro-1.4B shape sampled (T=1, top-p 0.7, then T=0.7, top-p 0.95): in-tree, LoopSpec with
 #             coupled sampling (the default) and with the paper's cascade, concurrency 1, 4, 16, one run
 #             = sampled-p07 then sampled-p095
+#   trained   the project's trained models as benchmark checkpoints (train_looped.py's h200 preset, 120 s
+#             of training each, kept in $VLLM_LOOP_TRAINED, default /tmp/vllm-loop-trained, for the next
+#             call on the same host): our vanilla, LoopSpec (lanes auto) and the same engine deciding plain
+#             steps only, greedy, held-out prompts, concurrency 1, 4, 16, 64, with the lanes policy's
+#             trace; = trained-raven then trained-ouro
+#   plain     what a LoopSpec engine's plain steps cost and why, on the trained Raven: vanilla on vLLM's
+#             V2 runner (its default) and on V1, the plain-only LoopSpec engine without and with
+#             torch.compile, concurrency 1, 4, 16, 64
 #   no-jit    the GPU test that serves batches of 1-32 requests after start-up and finds no Triton
 #             compilation (also part of other-tests)
 #   gpu-tests every other GPU test = kernel-tests (the Triton kernels against PyTorch), parity-tests
@@ -66,6 +74,7 @@ for step in $steps; do
         huginn) parts+=" $huginn_parts" ;;
         identity) parts+=" $identity_parts" ;;
         sampled) parts+=" sampled-p07 sampled-p095" ;;
+        trained) parts+=" trained-raven trained-ouro" ;;
         gpu-tests) parts+=" $test_parts" ;;
         kernels) parts+=" $kernels_parts" ;;
         *) parts+=" $step" ;;
@@ -89,6 +98,14 @@ speed() {  # runs shape agreement name systems concurrency...
     python3 benchmarks/loopspec_speed.py --runs "$runs" --shape "$shape" --checkpoint "$checkpoints/$shape-$agreement" \
         --agreement "$agreement" --systems "$systems" --out "$out/loopspec-speed-$name.json" --concurrency "$@"
 }
+trained_dir=${VLLM_LOOP_TRAINED:-/tmp/vllm-loop-trained}
+trained() {  # trained family shape name systems concurrency...: train once per host, then time
+    local family=$1 shape=$2 name=$3 systems=$4; shift 4
+    [ -f "$trained_dir/$family-h200/config.json" ] || python3 benchmarks/train_looped.py --preset h200 \
+        --models "$family" --skip-eval --time-budget 120 --no-progress --out "$out/trained-$family" --ckpt-dir "$trained_dir" || return
+    python3 benchmarks/loopspec_speed.py --runs 1 --shape "$shape" --checkpoint "$trained_dir/$family-h200" --prompts heldout \
+        --systems "$systems" --policy-trace --out "$out/loopspec-speed-$name.json" --concurrency "$@"
+}
 gpu_tests() { python3 -m pytest -v -s -p no:cacheprovider tests/test_gpu.py -k "$1"; }  # -v: a cut run names what passed
 ouro=in-tree,vanilla,loopspec-auto,loopspec-auto-chain
 phase "start: $steps"
@@ -106,6 +123,10 @@ for step in $steps; do
         serve) python3 benchmarks/serve_compare.py --shape ouro-1.4b --agreement 0.001 --systems in-tree,loopspec \
                    --concurrency 1 4 8 16 --temperature 0 1 --num-prompts 32 --input-len 128 --output-len 128 \
                    --checkpoint "$checkpoints/ouro-1.4b-0.001" --out "$out/serve-ouro-1.4b" ;;
+        trained-raven) trained raven tiny-raven trained-raven vanilla,loopspec-auto,loopspec-auto-plainonly 1 4 16 64 ;;
+        trained-ouro) trained ouro tiny-ouro trained-ouro vanilla,loopspec-auto,loopspec-auto-plainonly 1 4 16 64 ;;
+        plain) trained raven tiny-raven trained-raven-plain \
+                   vanilla,vanilla-v1,loopspec-auto-plainonly,loopspec-auto-plainonly-compiled 1 4 16 64 ;;
         no-jit) gpu_tests "without_triton_compilation" ;;
         sampled-p07) speed 1 ouro-1.4b 0.001 ouro-1.4b-sampled-t1-p07 in-tree,loopspec-auto,loopspec-auto-cascade \
                          1 4 16 --temperature 1.0 --top-p 0.7 ;;
@@ -120,7 +141,7 @@ for step in $steps; do
         nocompile-tests) gpu_tests "$nocompile_k" ;;
         async-tests) gpu_tests "$async_k" ;;
         other-tests) gpu_tests "$other_k" ;;
-        *) echo "unknown step $step; allowed: $all serve no-jit sampled sampled-p07 sampled-p095 $speed_parts $huginn_parts $identity_parts merge-sweep" \
+        *) echo "unknown step $step; allowed: $all serve trained plain no-jit sampled sampled-p07 sampled-p095 $speed_parts $huginn_parts $identity_parts trained-raven trained-ouro merge-sweep" \
                 "$test_parts"; false ;;
     esac > "$out/$step.txt" 2>&1
     phase "$step rc=$?"
