@@ -34,9 +34,10 @@
 #             call on the same host): our vanilla, LoopSpec (lanes auto) and the same engine deciding plain
 #             steps only, greedy, held-out prompts, concurrency 1, 4, 16, 64, with the lanes policy's
 #             trace; = trained-raven then trained-ouro
-#   plain     what a LoopSpec engine's plain steps cost and why, on the trained Raven: vanilla on vLLM's
-#             V2 runner (its default) and on V1, the plain-only LoopSpec engine without and with
-#             torch.compile, concurrency 1, 4, 16, 64
+#   plain     what a LoopSpec engine's plain steps cost and why, on the trained Raven, one variable at a
+#             time: vanilla on vLLM's V2 runner (its default), on V1, on V1 without torch.compile (full
+#             CUDA graphs, a LoopSpec engine's default), the plain-only LoopSpec engine, and the same
+#             with torch.compile; concurrency 1, 4, 16, 64
 #   no-jit    the GPU test that serves batches of 1-32 requests after start-up and finds no Triton
 #             compilation (also part of other-tests)
 #   gpu-tests every other GPU test = kernel-tests (the Triton kernels against PyTorch), parity-tests
@@ -55,7 +56,7 @@ shift
 steps=${*:-$all}
 # pytest -k expressions of the GPU-test parts; other-tests is what none of the others names
 identity_k="greedy_identity_compiled and not async"
-kernel_k="lane_attention_on_gpu or norm_add_norm_on_gpu or skinny_gemm_on_gpu or pdl_on_gpu or swiglu_down_on_gpu"
+kernel_k="lane_attention_on_gpu or norm_add_norm_on_gpu or skinny_gemm_on_gpu or pdl_on_gpu or swiglu_down_on_gpu or coupled_sampler_on_gpu"
 parity_k="plugin_smoke or ouro_parity or early_exit or latent_cuda_graphs"
 raven_parity_k="raven_parity"
 nocompile_k="greedy_identity_nocompile"
@@ -126,7 +127,7 @@ for step in $steps; do
         trained-raven) trained raven tiny-raven trained-raven vanilla,loopspec-auto,loopspec-auto-plainonly 1 4 16 64 ;;
         trained-ouro) trained ouro tiny-ouro trained-ouro vanilla,loopspec-auto,loopspec-auto-plainonly 1 4 16 64 ;;
         plain) trained raven tiny-raven trained-raven-plain \
-                   vanilla,vanilla-v1,loopspec-auto-plainonly,loopspec-auto-plainonly-compiled 1 4 16 64 ;;
+                   vanilla,vanilla-v1,vanilla-v1-fullgraphs,loopspec-auto-plainonly,loopspec-auto-plainonly-compiled 1 4 16 64 ;;
         no-jit) gpu_tests "without_triton_compilation" ;;
         sampled-p07) speed 1 ouro-1.4b 0.001 ouro-1.4b-sampled-t1-p07 in-tree,loopspec-auto,loopspec-auto-cascade \
                          1 4 16 --temperature 1.0 --top-p 0.7 ;;

@@ -53,6 +53,8 @@ engine but LoopSpec's, which skips it by default, see ``SYSTEM-compiled`` below)
   step (the lanes policy's test pattern, ``VLLM_LOOP_LANES_PATTERN=P``): what a LoopSpec engine's plain
   steps cost against ``vanilla`` with no lane step at all (``loopspec-auto`` against it: what the
   policy's lane steps cost or gain);
+* ``SYSTEM-torchsample`` (a LoopSpec system above) -- coupled sampling through ``noise.py``'s PyTorch code
+  on the GPU instead of the one-kernel sampler (``VLLM_LOOP_COUPLED_KERNEL=0``, ``kernels/coupled_sample.py``);
 * ``SYSTEM-cascade`` (a LoopSpec system above) -- sampled requests verified by the paper's cascade on the
   host (``"sampling": "cascade"``) instead of coupled sampling on the GPU (the default; ``noise.py``);
 * ``in-tree``  -- vLLM 0.26's own OuroForCausalLM (Ouro shapes only; plugins off, remote-code config);
@@ -139,7 +141,8 @@ COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, 
 # suffixes to a LoopSpec system (any order, split_system): one variable of its engine's environment, for
 # its lane kernels or its lanes policy (``-plainonly``: the policy's test pattern "P"; the docstring)
 ENGINE_ENV = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
-              "-pdl": ("VLLM_LOOP_PDL", "1"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P")}
+              "-pdl": ("VLLM_LOOP_PDL", "1"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P"),
+              "-torchsample": ("VLLM_LOOP_COUPLED_KERNEL", "0")}
 
 
 def split_system(system: str) -> tuple[str, dict | None, dict[str, str], int | None]:

@@ -587,6 +587,37 @@ def test_triton_norm_add_norm_on_gpu(dtype):
     compare_add_norm_norm("cuda", dtype, H=5280, tol=tol)
 
 
+def test_coupled_sampler_on_gpu():
+    """The one-kernel coupled sampler compiled, at Ouro-1.4B's and Huginn-0125's vocabularies: the
+    PyTorch path's token on every row (``test_lane_kernels.compare_coupled_sample``), and its time
+    against the PyTorch path's on the GPU at 4 and 64 rows (printed)."""
+    import time
+
+    from test_lane_kernels import compare_coupled_sample
+
+    from vllm_loop.loopspec import noise
+    from vllm_loop_kernels.coupled_sample import coupled_sample
+
+    for vocab in (49152, 65536):
+        compare_coupled_sample("cuda", vocab=vocab, rows=256)
+    for rows in (4, 64):
+        logits = torch.randn(rows, 49152, device="cuda") * 3
+        args = (torch.ones(rows, device="cuda"), torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                torch.full((rows,), 0.7, device="cuda"), torch.arange(rows, device="cuda"),
+                torch.arange(rows, device="cuda") + 50)
+        for name, fn in (("kernel", coupled_sample), ("torch", noise.coupled_sample)):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(noise.KERNEL_ENV, "0")
+                for _ in range(3):
+                    fn(logits, *args)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(50):
+                    fn(logits, *args)
+                torch.cuda.synchronize()
+            print(f"coupled sample {name} rows={rows} top-p 0.7: {(time.perf_counter() - t) / 50 * 1e6:.1f} us")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 def test_triton_skinny_gemm_on_gpu(dtype):
     """Every configuration of the few-rows GEMM against an fp64 product, at small

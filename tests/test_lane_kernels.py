@@ -257,6 +257,32 @@ def compare_swiglu_down(device: str, dtype, shapes=((1, 40, 72), (4, 24, 300), (
         swiglu_down(torch.zeros(2, 7, dtype=dtype, device=device), torch.zeros(3, 3, dtype=dtype, device=device))
 
 
+def compare_coupled_sample(device: str, vocab: int = 1000, rows: int = 64, broken: bool = False) -> int:
+    """The one-kernel coupled sampler against ``noise.coupled_sample``'s PyTorch code (sort-based
+    filter, the same noise): greedy rows (ties among them), temperature alone, top-k and top-p alone
+    and together, edge values (k = 1, k >= vocab, top-p 0.3 and 0.99); the same token on every row.
+    ``broken``: the kernel fed noise of the next position (a sampler that ignores the coupling), which
+    must differ. -> the rows compared."""
+    from vllm_loop.loopspec import noise
+    from vllm_loop_kernels.coupled_sample import coupled_sample
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(device)
+    logits[4] = 0.0  # a greedy row of equal logits: the first token
+    logits[8, 17] = logits[8, vocab - 1] = logits[8].max() + 1  # a greedy row's two equal maxima, far apart
+    cycle = rows // 8
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * (rows // 4), device=device)
+    top_k = torch.tensor([0, 0, 50, 5, 0, 1, vocab - 1, vocab] * cycle, device=device)
+    top_p = torch.tensor([1.0, 0.7, 0.9, 1.0, 0.3, 0.95, 0.5, 0.99] * cycle, device=device)
+    key = (torch.arange(rows) * 7919 + 3).to(device)
+    position = (torch.arange(rows) + 100).to(device)
+    want = noise.coupled_sample(logits.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), key.cpu(), position.cpu())
+    got = coupled_sample(logits, temperature, top_k, top_p, key, position + int(broken)).cpu()
+    assert want[4] == 0 and want[8] == 17, "greedy rows break ties to the lowest token id"
+    assert torch.equal(got, want), f"rows {torch.nonzero(got != want).flatten().tolist()} differ"
+    return rows
+
+
 @pytest.mark.slow
 def test_triton_skinny_gemm_equals_torch():
     """The few-rows split-K GEMM of the lanes' linear layers, plain and with SiLU-and-mul fused
@@ -265,6 +291,18 @@ def test_triton_skinny_gemm_equals_torch():
     proc = subprocess.run([sys.executable, __file__, "gemm"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "GEMM OK" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_triton_coupled_sampler_equals_the_torch_path():
+    """The one-kernel coupled sampler (``kernels/coupled_sample.py``), interpreted, gives
+    ``noise.coupled_sample``'s token on every row of every filter combination; fed the noise of the
+    wrong position it does not (the comparison can fail)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "coupled"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "COUPLED OK" in proc.stdout, proc.stdout
+    assert "BROKEN FAILS" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
@@ -390,6 +428,14 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
         compare_swiglu_down("cpu", torch.float16)
         compare_swiglu_down("cpu", torch.float32)
         print("GEMM OK", flush=True)
+        sys.exit(0)
+    if sys.argv[1:2] == ["coupled"]:
+        compare_coupled_sample("cpu")
+        print("COUPLED OK", flush=True)
+        try:
+            compare_coupled_sample("cpu", broken=True)
+        except AssertionError as e:
+            print(f"BROKEN FAILS {e}", flush=True)
         sys.exit(0)
     if sys.argv[1:2] == ["norms"]:
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, BF16_NORM_TOL)):

@@ -31,6 +31,8 @@ numbers; 24 bits of it make a float32 uniform in (0, 1), as torch's own float32 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 GREEDY_EPS = 1e-5  # vLLM treats temperature < 1e-5 as greedy (as proposals.GREEDY_EPS)
@@ -95,6 +97,11 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return x.masked_fill((x < kth) | drop, float("-inf"))
 
 
+# "0": CUDA rows sample through the PyTorch code below instead of the one-kernel sampler
+# (``kernels/coupled_sample.py``; the benchmark's ``-torchsample`` systems, to time the two side by side)
+KERNEL_ENV = "VLLM_LOOP_COUPLED_KERNEL"
+
+
 # Rows sampled at once: the filter's sort and the noise take several [rows, vocab] temporaries (int64
 # among them), so a lane call of thousands of rows goes through in chunks of this many.
 CHUNK_ROWS = 64
@@ -105,7 +112,12 @@ def coupled_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     """``[rows]`` int64 tokens: greedy rows their argmax, the others ``argmax(filtered - log E)`` with
     the exponentials of ``(key, position)`` -- the token of ``position`` that any readout of the same
     request and position, at any depth, races with the same noise. ``position``: of the token being
-    chosen."""
+    chosen. On CUDA one Triton kernel samples (``kernels/coupled_sample.py``: no sort and no
+    ``[rows, vocab]`` temporaries; the same noise bits and filter)."""
+    if logits.is_cuda and os.environ.get(KERNEL_ENV, "1") != "0":
+        from vllm_loop_kernels.coupled_sample import coupled_sample as kernel
+
+        return kernel(logits, temperature, top_k, top_p, key, position)
     if logits.shape[0] > CHUNK_ROWS:
         return torch.cat([coupled_sample(*(x[i:i + CHUNK_ROWS] for x in (logits, temperature, top_k, top_p, key,
                                                                          position)))
