@@ -122,6 +122,12 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
                     {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
     "huginn-0125-tp2": ("huginn_raven", {"layout": "huginn", "state_init": "seeded"}, HUGINN_0125 | {"n_heads": 44},
                         {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
+    # the trained Raven's sizes (train_looped.py's h200 preset: 32 M parameters, R=32), for what does not
+    # depend on its weights (a step's cost) without training first
+    "raven-32m": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, dict(
+        n_embd=512, n_heads=8, n_layers_in_prelude=2, n_layers_in_recurrent_block=4, n_layers_in_coda=2,
+        intermediate_size=1536, vocab_size=8192, padded_vocab_size=8192, mean_recurrence=32, block_size=2048,
+        torch_dtype="bfloat16"), {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),
     "tiny-ouro": ("ouro", {"remote_code": "true"}, {}, {"method": "loopspec", "d1": 1, "d2": 2, "lanes": "on"}),
     "tiny-raven": ("huginn_raven", {"layout": "llama", "state_init": "seeded"}, {"mean_recurrence": 32},
                    {"method": "loopspec", "d1": 2, "d2": 8, "lanes": "on"}),

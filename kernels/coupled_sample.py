@@ -3,19 +3,18 @@
 ``noise.coupled_sample`` in PyTorch is about forty kernels over ``[rows, vocab]`` temporaries: the
 splitmix64 noise in int64, a sort of the vocabulary for top-k / top-p, a softmax, a cumulative sum, a
 scatter back. A lane call samples at every readout depth of every recurrent step, for a handful of
-rows, so the kernels' launches and their passes over the vocabulary cost more than the sampling needs.
-Here one program samples one row without sorting:
+rows. Here one program samples one row, without sorting:
 
 1. one pass: the row's maximum and softmax normaliser (online) and the winner of the unfiltered race
    ``argmax x + g`` (``x`` the temperature-scaled logits, ``g`` the row's Gumbel noise, the same bits
    as ``noise.uniforms``); greedy rows (temperature < ``GREEDY_EPS``) take the plain argmax;
-2. the filters keep every token at or above a threshold value, so if the unfiltered winner is kept it
-   is the filtered winner too (one pass checks it: fewer than ``top_k`` tokens above it, their mass
-   under ``top_p``);
-3. otherwise the thresholds, found exactly by bisection over the order-preserving integer keys of the
-   float32 values (the k-th largest value; the smallest value whose mass above is under ``top_p`` of
-   the top-k set, as ``noise.filter_logits``'s sorted cumulative sum keeps it), and one pass for the
-   winner among the kept tokens.
+2. top-k and top-p keep every token at or above some value, so the winner of the race among the tokens
+   above a dropped token contains the filtered winner: while the candidate is dropped (``top_k`` or
+   more tokens above it, or their mass ``top_p`` or more of the top-k set's), take the winner among the
+   tokens above it. One pass a round (the candidate's count and mass above, and the next candidate);
+   the first candidate is dropped with probability ~1 - top_p, a later one less often;
+3. with top-k and top-p together, the top-k set's mass needs the k-th largest value first: a bisection
+   over the order-preserving integer keys of the float32 values (32 passes).
 
 The filter is ``noise.filter_logits``'s up to the rounding of the masses (a sum instead of a sorted
 cumulative sum): a token whose mass above sits within float32 rounding of ``top_p`` may fall on the
@@ -85,7 +84,7 @@ def _coupled_sample_kernel(logits_ptr, stride, temperature_ptr, top_k_ptr, top_p
     seed = tl.load(key_ptr + row).to(tl.uint64) + _mix64(position * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15)
     seed = _mix64(seed)
 
-    # pass 1: maximum, normaliser, the unfiltered winner (greedy: the argmax)
+    # one pass: maximum, normaliser, the unfiltered winner (greedy rows: the argmax)
     m = tl.full((), float("-inf"), tl.float32)
     z = tl.zeros((), tl.float32)
     best = tl.full((), float("-inf"), tl.float32)
@@ -102,76 +101,59 @@ def _coupled_sample_kernel(logits_ptr, stride, temperature_ptr, top_k_ptr, top_p
         score = tl.where(inside, score, float("-inf"))
         s = tl.max(score, axis=0)
         i = tl.argmax(score, axis=0)  # the first of equal maxima
-        take = s > best  # strictly: an earlier chunk keeps a tie
+        take = s > best  # strictly: an earlier block keeps a tie
         win = tl.where(take, start + i, win)
         win_x = tl.where(take, tl.sum(tl.where(v == start + i, x, 0.0), axis=0), win_x)
         best = tl.where(take, s, best)
 
-    if not greedy:
-        k = tl.load(top_k_ptr + row)
-        p = tl.load(top_p_ptr + row)
-        use_k = (k > 0) & (k < V)
-        use_p = p < 1.0
-        if use_k | use_p:
-            count, mass = _above(row_ptr, t, V, _key(win_x), m, BLOCK)
-            total = z
-            kth_key = _key(tl.full((), float("-inf"), tl.float32))
-            if use_k:
-                # the k-th largest value: the smallest key with fewer than k values above it
-                lo = kth_key.to(tl.int64)
-                hi = _key(m).to(tl.int64)
-                while lo < hi:
-                    mid = lo + (hi - lo) // 2
-                    c, _ = _above(row_ptr, t, V, mid.to(tl.int32), m, BLOCK)
-                    lo = tl.where(c < k, lo, mid + 1)
-                    hi = tl.where(c < k, mid, hi)
-                kth_key = lo.to(tl.int32)
-                _, above_kth = _above(row_ptr, t, V, kth_key, m, BLOCK)
-                total = above_kth + _equal_mass(row_ptr, t, V, kth_key, m, BLOCK)
-            kept = (_key(win_x) >= kth_key) & (~use_p | (mass < p * total))
-            if not kept:
-                # the smallest value at or above the k-th whose mass above is under top_p (of the top-k set)
-                lo = kth_key.to(tl.int64)
-                hi = _key(m).to(tl.int64)
-                if use_p:
-                    while lo < hi:
-                        mid = lo + (hi - lo) // 2
-                        _, a = _above(row_ptr, t, V, mid.to(tl.int32), m, BLOCK)
-                        lo = tl.where(a < p * total, lo, mid + 1)
-                        hi = tl.where(a < p * total, mid, hi)
-                else:
-                    hi = lo
-                threshold = lo.to(tl.int32)
-                best = tl.full((), float("-inf"), tl.float32)
-                for start in range(0, V, BLOCK):
-                    v = start + tl.arange(0, BLOCK)
-                    inside = v < V
-                    x = tl.load(row_ptr + v, mask=inside, other=float("-inf")).to(tl.float32) / t
-                    score = tl.where(inside & (_key(x) >= threshold), x + _gumbel(seed, v), float("-inf"))
-                    s = tl.max(score, axis=0)
-                    i = tl.argmax(score, axis=0)
-                    take = s > best
-                    win = tl.where(take, start + i, win)
-                    best = tl.where(take, s, best)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    use_k = (k > 0) & (k < V)
+    use_p = p < 1.0
+    if (~greedy) & (use_k | use_p):
+        total = z  # the top-k set's normaliser
+        if use_k & use_p:
+            # the k-th largest value's key: the smallest key with fewer than k values above it
+            lo = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)
+            hi = _key(m).to(tl.int64)
+            while lo < hi:
+                mid = lo + (hi - lo) // 2
+                c, _ = _above(row_ptr, t, V, mid.to(tl.int32), m, BLOCK)
+                lo = tl.where(c < k, lo, mid + 1)
+                hi = tl.where(c < k, mid, hi)
+            _, total = _above(row_ptr, t, V, (lo - 1).to(tl.int32), m, BLOCK)  # values >= the k-th
+        searching = tl.full((), 1, tl.int1)
+        while searching:
+            count = tl.zeros((), tl.int32)
+            mass = tl.zeros((), tl.float32)
+            best = tl.full((), float("-inf"), tl.float32)
+            next_win = win
+            next_x = win_x
+            for start in range(0, V, BLOCK):
+                v = start + tl.arange(0, BLOCK)
+                inside = v < V
+                x = tl.load(row_ptr + v, mask=inside, other=float("-inf")).to(tl.float32) / t
+                higher = inside & (x > win_x)
+                count += tl.sum(higher.to(tl.int32), axis=0)
+                mass += tl.sum(tl.where(higher, tl.exp(x - m), 0.0), axis=0)
+                score = tl.where(higher, x + _gumbel(seed, v), float("-inf"))
+                s = tl.max(score, axis=0)
+                i = tl.argmax(score, axis=0)
+                take = s > best
+                next_win = tl.where(take, start + i, next_win)
+                next_x = tl.where(take, tl.sum(tl.where(v == start + i, x, 0.0), axis=0), next_x)
+                best = tl.where(take, s, best)
+            kept = ((~use_k) | (count < k)) & ((~use_p) | (mass < p * total))
+            win = tl.where(kept, win, next_win)
+            win_x = tl.where(kept, win_x, next_x)
+            searching = ~kept
     tl.store(out_ptr + row, win.to(tl.int64))
-
-
-@triton.jit
-def _equal_mass(row_ptr, t, V, key, m, BLOCK: tl.constexpr):
-    """Softmax mass times the normaliser of the row's values with key == ``key``."""
-    mass = tl.zeros((), tl.float32)
-    for start in range(0, V, BLOCK):
-        v = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32) / t
-        mass += tl.sum(tl.where((_key(x) == key) & (v < V), tl.exp(x - m), 0.0), axis=0)
-    return mass
 
 
 def coupled_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """``noise.coupled_sample`` of ``logits [rows, vocab]`` (rows contiguous in the vocabulary):
-    ``[rows]`` int64 tokens. ``temperature`` / ``top_p`` float32, ``top_k`` / ``key`` / ``position``
-    integers, one per row."""
+    """``noise.coupled_sample`` of ``logits [rows, vocab]``: ``[rows]`` int64 tokens.
+    ``temperature`` / ``top_p`` floats, ``top_k`` / ``key`` / ``position`` integers, one per row."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
@@ -180,5 +162,5 @@ def coupled_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         _coupled_sample_kernel[(rows,)](
             logits, logits.stride(0), temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
             top_p.to(torch.float32).contiguous(), key.to(torch.int64).contiguous(), position.to(torch.int64).contiguous(),
-            out, vocab, GREEDY_EPS=GREEDY_EPS, BLOCK=BLOCK)
+            out, vocab, GREEDY_EPS=GREEDY_EPS, BLOCK=BLOCK, num_warps=8)
     return out

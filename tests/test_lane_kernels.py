@@ -309,8 +309,8 @@ def test_triton_coupled_sampler_equals_the_torch_path():
 def test_lane_kernels_compile_for_hopper_with_pdl():
     """Every lane kernel compiled (not run: no GPU here) for the H200's sm_90 with programmatic
     dependent launch on (``kernels/pdl.py``), as the engine would launch it at Ouro-1.4B's and
-    Huginn-0125's shapes: Triton and ptxas accept them, and each waits on the kernel before. The GPU
-    runs them in tests/test_gpu.py."""
+    Huginn-0125's shapes: Triton and ptxas accept them, and each waits on the kernel before; the
+    coupled sampler too (without PDL). The GPU runs them in tests/test_gpu.py."""
     proc = subprocess.run([sys.executable, __file__, "hopper"], env={k: v for k, v in os.environ.items()
                                                                     if k != "TRITON_INTERPRET"},
                           capture_output=True, text=True, timeout=900)
@@ -367,10 +367,17 @@ def _compile_for_hopper() -> None:
             lane_attention.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, bank_ids, depths, rows.prefix,
                                           rows.slots, rows.block_rows, rows.ancestors, scratch.kv, D**-0.5,
                                           merge=merge, bias=qk_bias)
+    from vllm_loop_kernels.coupled_sample import coupled_sample  # no PDL: it reads the logits at once
+
+    rows = 4
+    coupled_sample(torch.empty(rows, 49152), torch.ones(rows), torch.zeros(rows, dtype=torch.int64),
+                   torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
     names = {name for name, _ in built}
     assert names == {"_skinny_gemm_kernel", "_norm_add_norm_kernel", "_add_norm_norm_kernel", "_lane_kernel",
-                     "_merge_kernel"}, names
+                     "_merge_kernel", "_coupled_sample_kernel"}, names
     for name, kernel in built:
+        if name == "_coupled_sample_kernel":
+            continue
         ptx = kernel.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
     print(f"HOPPER OK: {len(built)} launches compiled for sm_90 with PDL ({len(names)} kernels)", flush=True)
