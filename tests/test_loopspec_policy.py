@@ -380,6 +380,42 @@ def test_policy_runs_the_fastest_lane_budget_and_rechecks_the_others():
     assert policy.describe()[16]["lanes:first"] == pytest.approx(400.0)
 
 
+def test_the_first_lane_trial_weighs_every_budget_against_plain():
+    """Lanes at the full budget lose to plain decoding, with first proposals only they win: the
+    bucket's first lanes trial runs every budget's trial, so the policy runs lanes at "first" from
+    the start instead of keeping plain until a re-check (the trained Raven at 4 requests kept plain
+    for a whole run after the full budget's trial alone)."""
+    from vllm_loop.loopspec.policy import lane_options
+
+    policy = LanePolicy(trial=4, recheck=50, budget=1.0, options=lane_options(32, 2, 8, 64))
+    ran = _run_options(policy, 4, 60, option_speed=[200.0, 400.0, 300.0], plain=250.0)
+    assert ran[:12] == [0] * 4 + [1] * 4 + [2] * 4  # each budget's trial, before any plain step
+    assert ran[12] is None  # then plain's (over at once: clearly slower than "first")
+    assert ran[13:40] == [1] * 27  # then lanes at "first"
+
+
+def test_lane_budgets_are_rated_by_ratios_of_sums():
+    """A lane step commits a varying number of tokens: budget 0 alternates 1 token in 10 ms and 16
+    in 20 ms (17 tokens in 30 ms: 567 tokens/s, though its steps average 450), budget 1 commits at
+    500 tokens/s every step. The chooser rates each by its tokens over its seconds and runs budget
+    0; averaging per-step rates would run budget 1."""
+    from vllm_loop.loopspec.policy import LaneOption, OptionChooser
+
+    chooser = OptionChooser([LaneOption("a"), LaneOption("b", 8, False)], trial=4, recheck=1000)
+    steps = {0: [(1, 0.010), (16, 0.020)], 1: [(5, 0.010), (10, 0.020)]}
+    counts = {0: 0, 1: 0}
+    picks = []
+    for _ in range(100):
+        option = chooser.choose(1)
+        picks.append(option)
+        tokens, seconds = steps[option][counts[option] % 2]
+        counts[option] += 1
+        chooser.observe(1, option, tokens, seconds)
+    assert picks[8:].count(0) == len(picks) - 8
+    assert chooser.describe()[1]["a"] == pytest.approx(17 / 0.030, abs=0.1)  # describe() rounds
+    assert chooser.describe()[1]["b"] == pytest.approx(500.0)
+
+
 def test_lanes_on_runs_the_full_budget_and_patterns_force_options():
     from vllm_loop.loopspec.policy import lane_options
 

@@ -56,8 +56,9 @@ schedule's full budget, first proposals only (no second-proposal siblings), or a
 (``lane_options``). At a few requests the full budget pays; as the batch grows, every extra lane row
 is compute the step pays for whether or not its proposal is accepted, and a smaller budget can keep
 lanes ahead of plain decoding where the full one falls behind. Per bucket ``OptionChooser`` gives each
-option ``trial`` lane steps, then runs the fastest (tokens per second of lane steps), re-checking the
-others now and then; the lanes-vs-plain choice above weighs the lanes at the option they run. An
+option ``trial`` lane steps (the lanes' first trial in a bucket runs them all), then runs the fastest (tokens per
+second of lane steps, as ratios of sums), re-checking the others now and then; the lanes-vs-plain
+choice above weighs the lanes at their best option. An
 option only withholds proposals, which is lossless at any step (a root verified without a proposal
 commits its own full-depth token), so options switch from one step to the next without a restart.
 """
@@ -172,6 +173,7 @@ def lane_options(R: int, d1: int, d2: int | None, max_lanes: int) -> list[LaneOp
 class _Options:
     rate: dict[int, float] = field(default_factory=dict)  # option -> tokens/s of its lane steps (moving average)
     seen: dict[int, int] = field(default_factory=dict)  # option -> samples in its current trial
+    window: dict[int, list[float]] = field(default_factory=dict)  # option -> [tokens, seconds] not yet in its rate
     steps: int = 0  # choices after every trial
     next_check: int = 0
     checked: int = 0  # the option re-checked last
@@ -193,6 +195,8 @@ class OptionChooser:
                 return i
         b.steps += 1
         best = self.best(b)
+        if not b.next_check:  # every trial done: the first re-check comes ``recheck`` choices later
+            b.next_check = b.steps + self.recheck
         if b.steps >= b.next_check:  # re-check the options after the best in turn
             others = [i for i in range(len(self.options)) if i != best]
             b.checked = next((i for i in others if i > b.checked), others[0])
@@ -211,14 +215,39 @@ class OptionChooser:
         b = self.buckets.get(bucket_of(rows))
         return max(b.rate.values()) if b is not None and b.rate else 0.0
 
-    def observe(self, rows: int, option: int, rate: float) -> None:
-        if not 0 <= option < len(self.options):
+    def settled(self, rows: int) -> bool:
+        """Has every option of this bucket had its trial (the lanes' rate is then their best option's)?"""
+        b = self.buckets.get(bucket_of(rows))
+        return len(self.options) == 1 or (b is not None and all(b.seen.get(i, 0) >= self.trial
+                                                                for i in range(len(self.options))))
+
+    def observe(self, rows: int, option: int, tokens: float, seconds: float) -> None:
+        """A steady lane step's tokens and seconds. Rates are ratios of sums: a lane step commits from 1
+        to 17 tokens a request, so per-step rates scatter several-fold (185-606 tokens/s at one request
+        on the trained Raven, benchmarks/RESULTS.md), and averaging them favours whatever had a lucky
+        step. A trial's rate is its steps' tokens over their seconds; afterwards the running option's
+        rate moves once per ``trial`` steps, by the ratio of that window's sums."""
+        if not 0 <= option < len(self.options) or seconds <= 0:
             return
         b = self.buckets.setdefault(bucket_of(rows), _Options())
-        fresh = b.seen.get(option, 0) == 0 or option not in b.rate
-        b.seen[option] = b.seen.get(option, 0) + 1
-        old = b.rate.get(option)
-        b.rate[option] = rate if fresh or old is None else old + self.smoothing * (rate - old)
+        n = b.seen.get(option, 0)
+        if n == 0 or option not in b.window:
+            b.window[option] = [0.0, 0.0]  # a new trial
+        window = b.window[option]
+        window[0] += tokens
+        window[1] += seconds
+        b.seen[option] = n + 1
+        ratio = window[0] / window[1]
+        if n < self.trial or option not in b.rate:  # in its trial: the trial's ratio so far
+            others = [r for i, r in b.rate.items() if i != option]
+            b.rate[option] = ratio
+            if n == 0 and others and ratio < EARLY_END * max(others):  # clearly slower: its trial ends here
+                b.seen[option] = self.trial
+            if b.seen[option] >= self.trial:
+                b.window[option] = [0.0, 0.0]
+        elif (n + 1 - self.trial) % self.trial == 0:
+            b.rate[option] += self.smoothing * (ratio - b.rate[option])
+            b.window[option] = [0.0, 0.0]
 
     def _rates(self, b: _Options) -> str:
         return ", ".join(f"{self.options[i].name} {r:.0f}" for i, r in sorted(b.rate.items()))
@@ -268,7 +297,10 @@ class LanePolicy:
             return True
         b = self.buckets.setdefault(bucket_of(rows), _Bucket())
         for mode in (True, False):
-            if b.seen[mode] < self.trial:
+            # the lanes' first trial runs every lane budget's, so that lanes are weighed against plain
+            # at their best budget (at the full one alone they lost at 4 requests on the trained Raven
+            # while the others were never measured there, benchmarks/RESULTS.md)
+            if b.seen[mode] < self.trial or (mode and not self.chooser.settled(rows)):
                 return mode
         b.steps += 1
         best = b.best()
@@ -325,7 +357,7 @@ class LanePolicy:
         mode, rate = sample.lanes, sample.tokens / sample.seconds
         if mode and not sample.warmup and len(self.options) > 1:
             # lanes are weighed against plain at their best budget, not at the one a re-check just tried
-            self.chooser.observe(sample.rows, sample.option, rate)
+            self.chooser.observe(sample.rows, sample.option, sample.tokens, sample.seconds)
             rate = self.chooser.best_rate(sample.rows)
         # a fresh trial replaces the old estimate, and so does a steady sample from far shorter contexts than
         # the estimate's (a new wave of requests: averaging the two undersold plain at 128 requests on an
