@@ -134,7 +134,7 @@ SHAPES = {  # name -> (family, options, config overrides, default speculative co
 }
 # The factory's agreement that puts >= 95 % of first proposals within reach on the full-size shapes
 # (issue 10's condition): 0.005 gave Ouro-1.4B only ~78 % in bf16; 0.001 gave 96.9 %
-# (benchmarks/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
+# (benchmarks/probes/agreement_probe.py) and 97.9 % / 98.6 % (Ouro / Huginn) on the H200.
 AGREEMENT = {"ouro-1.4b": "0.001", "huginn-0125": "0.001", "huginn-0125-tp2": "0.001"}
 SYSTEMS = ("vanilla", "vanilla-sync", "vanilla-v1", "vanilla-fused", "loopspec", "loopspec-auto", "loopspec-auto-sync",
            "loopspec-serial", "loopspec-auto-serial", "loopspec-pad", "loopspec-auto-pad", "loopspec-auto-pad32",

@@ -12,7 +12,7 @@
   ``silu(gate) * up`` formed as it loads ``x``: the lanes' MLP down projection (``swiglu_down``, one
   launch for SiLU-and-mul and the GEMM). As a plain GEMM the engine uses it only when asked
   (``VLLM_LOOP_LANE_GEMM=triton``: cuBLAS measured as fast or faster on the H200 without PDL,
-  ``benchmarks/lane_gemm_compare.py``).
+  ``benchmarks/probes/lane_gemm_compare.py``).
 * ``pdl`` -- programmatic dependent launch for all of the above (``VLLM_LOOP_PDL=1``, Hopper): each
   kernel may start while the one before ends, the GEMMs loading their first weight tile meanwhile.
 * ``arrivals`` -- the atomic counters by which the last program of a split computation merges the

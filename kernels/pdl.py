@@ -17,7 +17,7 @@ as always, so a chain may mix both.
 Off unless ``VLLM_LOOP_PDL=1``, on CUDA devices of compute capability 9 or above: with cuBLAS's GEMMs in
 the chain it made an Ouro-1.4B recurrent step 4.5 % slower on an H100 (benchmarks/RESULTS.md),
 and together with the Triton GEMMs (``VLLM_LOOP_LANE_GEMM=triton``) 1.9 % slower
-than the default chain on the H200 (benchmarks/RESULTS.md); ``benchmarks/lane_gemm_compare.py --chain`` times the chain alone.
+than the default chain on the H200 (benchmarks/RESULTS.md); ``benchmarks/probes/lane_gemm_compare.py --chain`` times the chain alone.
 """
 
 from __future__ import annotations

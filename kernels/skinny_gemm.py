@@ -13,7 +13,7 @@ keep loads in flight, so split K as well. The grid is (output tiles of ``BLOCK_N
 multiplies them with all rows of ``x``. With ``splits > 1`` each program stores its fp32 partial and
 the last program of a tile to finish (``arrivals.py``) sums the tile's partials in slice order --
 the same sum whichever came last -- and writes the output, in one launch. On the H200
-(``benchmarks/lane_gemm_compare.py``) no configuration beat cuBLAS on the attention
+(``benchmarks/probes/lane_gemm_compare.py``) no configuration beat cuBLAS on the attention
 output (6.0 us at best, as cuBLAS), and the best on the down projection (32 columns, 8 slices) took
 10.9-11.1 us against 11.9: ~1 % of an Ouro-1.4B recurrent step, not worth a second GEMM path.
 
@@ -55,7 +55,7 @@ class GemmConfig(NamedTuple):
     splits: int  # slices of K (1: no split, each program writes its output directly)
 
 
-# the configurations benchmarks/lane_gemm_compare.py times (splits 1: no split)
+# the configurations benchmarks/probes/lane_gemm_compare.py times (splits 1: no split)
 CONFIGS = (GemmConfig(16, 256, 4, 4, 1), GemmConfig(32, 128, 4, 4, 1), GemmConfig(64, 128, 4, 3, 1),
            GemmConfig(16, 512, 8, 3, 1),
            GemmConfig(16, 256, 4, 2, 2), GemmConfig(16, 256, 4, 2, 4), GemmConfig(16, 128, 4, 2, 8),

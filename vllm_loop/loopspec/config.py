@@ -222,7 +222,7 @@ def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: 
     mixed-step graph of n tokens gives every dummy request a context of n tokens (``_dummy_run``:
     ``seq_lens = max_query_len``; vLLM issue #53658, fix #53671 unmerged), and its Triton attention
     loads block-table entries unmasked, so for n > ``max_model_len`` the last rows read ids from past
-    the end of the block table (``benchmarks/dummy_run_overread.py``). Vanilla engines over-read too and
+    the end of the block table (``benchmarks/probes/dummy_run_overread.py``). Vanilla engines over-read too and
     did not crash, LoopSpec engines did (an H100, benchmarks/RESULTS.md: all four cases where n >
     ``max_model_len``, none of five where not); what makes the garbage ids fatal only in LoopSpec
     engines is not found (not their packed KV layout alone: a vanilla engine given it started). A real step never has a request longer than ``max_model_len``; batches larger than the

@@ -600,7 +600,7 @@ class LoopSpecRunner:
         """The slots of each lane's uncommitted ancestors, oldest first, leaving out ``skip`` (a root
         about to be committed): one pass over ``lanes`` in birth order, where a parent comes before its
         children, instead of a walk up the tree per lane (at many requests the host's time per lane is
-        a large part of a lane step: benchmarks/lane_host_costs.py)."""
+        a large part of a lane step: benchmarks/probes/lane_host_costs.py)."""
         chains: dict[Lane, list[int]] = {}
         for lane in lanes:
             parent = lane.parent

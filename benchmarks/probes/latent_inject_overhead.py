@@ -6,8 +6,8 @@ Both engines use vLLM's defaults (torch.compile + CUDA graphs), random bf16 weig
 FFN 8192, vocab 128256 + COCONUT's 3 tokens). Per-token decode time = (t(576 new tokens) -
 t(64 new tokens)) / 512, median of 3, so prefill, the forced start/end tokens and start-up cancel.
 
-    python benchmarks/latent_inject_overhead.py --out results/latent-overhead.json      # GPU
-    python benchmarks/latent_inject_overhead.py --out results/latent-overhead-cpu.json --small   # CPU
+    python benchmarks/probes/latent_inject_overhead.py --out results/latent-overhead.json      # GPU
+    python benchmarks/probes/latent_inject_overhead.py --out results/latent-overhead-cpu.json --small   # CPU
 
 ``--scheduling default`` leaves scheduling to vLLM for both engines (async scheduling on the GPU,
 synchronous on the CPU); ``sync`` turns async scheduling off for both; ``both`` measures the two

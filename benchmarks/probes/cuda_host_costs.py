@@ -3,7 +3,7 @@ replaying a CUDA graph of 10-600 kernels against launching them eagerly, a lane 
 (pinned copy into the graphs' input buffer), the eager ops of a commit, a readout's pinned copy back,
 ``record_function``. One H200 host's output: ``benchmarks/results/cuda-host-costs-h200.txt``.
 
-    python3 benchmarks/cuda_host_costs.py
+    python3 benchmarks/probes/cuda_host_costs.py
 """
 import time
 

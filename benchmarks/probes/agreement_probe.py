@@ -6,7 +6,7 @@ checkpoint, runs the reference model (``vllm_loop.reference``) over random token
 and prints the share of positions whose argmax at depth d1 (and d2) equals the argmax at depth R --
 under greedy decoding, the first- (second-) proposal acceptance rate on teacher-forced text.
 
-    python benchmarks/agreement_probe.py --shape ouro-1.4b --agreement 0.005 0.002 0.001
+    python benchmarks/probes/agreement_probe.py --shape ouro-1.4b --agreement 0.005 0.002 0.001
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import argparse
 import json
 import shutil
 import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from loopspec_speed import SHAPES, make_shape_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: loopspec_speed
+from loopspec_speed import SHAPES, make_shape_checkpoint  # noqa: E402
 from vllm_loop.reference import load_reference
 
 

@@ -15,7 +15,7 @@ than ``max_model_len``, from vLLM 0.26's own functions, on the CPU (no engine, n
    vanilla engine given the packed layout started and generated (``full_graphs_probe.py``'s
    ``vanilla-huginn-fp32-packed``), so the layout alone is not the reason.
 
-    python benchmarks/dummy_run_overread.py
+    python benchmarks/probes/dummy_run_overread.py
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ do: one matrix alone would stay in the 50 MB L2 cache between repetitions, and a
 its weights from HBM. It needs only
 PyTorch and Triton (no vLLM), so it runs on a bare GPU host in a few seconds:
 
-    python benchmarks/lane_gemm_compare.py --out benchmarks/results/lane-gemm-compare-h200.txt
+    python benchmarks/probes/lane_gemm_compare.py --out benchmarks/results/lane-gemm-compare-h200.txt
 
 ``--swiglu`` times the MLP's second half as a lane call runs it instead: vLLM's ``silu_and_mul``
 then cuBLAS's down projection (two launches, what lane calls ran before swiglu_down), against
 ``swiglu_down`` (one) in several configurations, with and without its activation loads one iteration
 ahead; needs vLLM:
 
-    python benchmarks/lane_gemm_compare.py --swiglu --rows 1 4 16 --out benchmarks/results/lane-swiglu-down-h200.txt
+    python benchmarks/probes/lane_gemm_compare.py --swiglu --rows 1 4 16 --out benchmarks/results/lane-swiglu-down-h200.txt
 
 ``--chain`` times a model of one recurrent step's lane call instead: every layer of the shape's shared
 block (its own weights) as a lane call runs it -- seam norm, qkv, output projection (on q's columns:
@@ -25,7 +25,7 @@ the lane attention is left out), seam norm, gate / up, down with SiLU-and-mul --
 with the projections on cuBLAS or on the few-rows Triton GEMM, and with or without programmatic
 dependent launch (``kernels/pdl.py``), each checked against the first; needs vLLM:
 
-    python benchmarks/lane_gemm_compare.py --chain --rows 1 4 16 --out benchmarks/results/lane-chain-pdl-h200.txt
+    python benchmarks/probes/lane_gemm_compare.py --chain --rows 1 4 16 --out benchmarks/results/lane-chain-pdl-h200.txt
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: loopspec_speed
 
 from loopspec_speed import SHAPES  # noqa: E402  (the benchmark shapes' configs: one home)
 

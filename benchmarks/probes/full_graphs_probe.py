@@ -11,7 +11,7 @@ warm-up over-reads the block table in every engine (``dummy_run_overread.py``); 
 KV layout, which LoopSpec engines use, is what makes that fatal, ``vanilla-huginn-fp32-packed`` tests:
 a vanilla engine given that layout (the case reports the layout taken: ``packed_kv``). GPU only.
 
-    python benchmarks/full_graphs_probe.py --out full-graphs-probe.jsonl
+    python benchmarks/probes/full_graphs_probe.py --out full-graphs-probe.jsonl
 """
 
 from __future__ import annotations

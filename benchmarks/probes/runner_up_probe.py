@@ -14,7 +14,7 @@ depths d1, d2 and R, and reports
   firing runs a sibling subtree for R - d2 recurrent steps) and how many full commits it turns into
   second ones (each saving ~R - d2 recurrent steps).
 
-    python benchmarks/runner_up_probe.py --shape huginn-0125 --d1 1 --d2 5 --margins 0.05 0.1 0.2 0.5
+    python benchmarks/probes/runner_up_probe.py --shape huginn-0125 --d1 1 --d2 5 --margins 0.05 0.1 0.2 0.5
 
 ``--late K ...``: late re-proposals instead -- at each depth k (in order, between d2 and R), the
 argmax at k proposed as one more sibling when it differs from every token the lane has proposed so
@@ -34,12 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from loopspec_speed import SHAPES, make_shape_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: loopspec_speed
+from loopspec_speed import SHAPES, make_shape_checkpoint  # noqa: E402
 from vllm_loop.reference import load_reference
 
 

@@ -16,8 +16,8 @@ these copies are compute the host does; on a GPU they are kernels it enqueues). 
 runner's wall time in lane steps per recurrent step and per lane (``EngineCounters.lane_step_seconds``),
 medians of ``--runs``, and with ``--profile`` the runner's functions by own time (cProfile).
 
-    python benchmarks/lane_host_costs.py --requests 1 64 128 --runs 3
-    python benchmarks/lane_host_costs.py --requests 64 --profile 25
+    python benchmarks/probes/lane_host_costs.py --requests 1 64 128 --runs 3
+    python benchmarks/probes/lane_host_costs.py --requests 64 --profile 25
 """
 
 from __future__ import annotations

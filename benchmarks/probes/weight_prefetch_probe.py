@@ -10,7 +10,7 @@ the attention, o, a norm, gate_up, SiLU-and-mul, down; the norms and the attenti
 with its own weights so nothing stays in L2 between layers, under one CUDA graph, with and without
 the prefetch. It needs only PyTorch and Triton:
 
-    python benchmarks/weight_prefetch_probe.py --out benchmarks/results/weight-prefetch-probe-h200.txt
+    python benchmarks/probes/weight_prefetch_probe.py --out benchmarks/results/weight-prefetch-probe-h200.txt
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: loopspec_speed
 
 from lane_gemm_compare import shared_block_matrices  # noqa: E402
 from loopspec_speed import SHAPES  # noqa: E402

@@ -10,8 +10,8 @@ graphs), 32-token prompts, ``ignore_eos``:
 * the memory-bandwidth floor of single-stream decode: weight bytes read per token (the looped
   layers T times, the LM head once) over the measured device-to-device copy bandwidth.
 
-    python benchmarks/ouro_decode.py --impl vllm-loop --out results/ouro-ours.json
-    python benchmarks/ouro_decode.py --impl in-tree  --out results/ouro-intree.json
+    python benchmarks/probes/ouro_decode.py --impl vllm-loop --out results/ouro-ours.json
+    python benchmarks/probes/ouro_decode.py --impl in-tree  --out results/ouro-intree.json
 
 ``--impl in-tree`` runs vLLM without this plugin (``VLLM_PLUGINS`` excludes it), loading the folder's
 ``configuration_ouro.py`` with ``trust_remote_code`` as upstream Ouro checkpoints require.
