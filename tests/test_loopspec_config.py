@@ -57,6 +57,29 @@ def test_ouro_translates_to_vllm_custom_class(ckpt_factory):
     assert cfg.scheduler_config.scheduler_cls == "vllm_loop.loopspec.scheduler.LoopSpecScheduler"
 
 
+def test_knobs_read_back_what_translate_wrote(ckpt_factory):
+    """``config.knobs`` is the one typed view of ``additional_config["loopspec"]``: every key
+    ``translate`` writes comes back as a field, and a key missing from the dict (an older or partial
+    config) gets translate's own default, not one of each consumer's."""
+    import dataclasses
+
+    from vllm_loop.loopspec.config import STEP_TOKENS, Knobs, knobs
+
+    cfg = _config(ckpt_factory("ouro"), {"method": "loopspec", "d1": 1, "d2": 2, "step_tokens": 0,
+                                         "sampling": "cascade", "lanes": "on"})
+    k = knobs(cfg)
+    raw = cfg.additional_config["loopspec"]
+    names = {f.name for f in dataclasses.fields(Knobs)}
+    assert set(raw) - {"async"} <= names and "async_scheduling" in names
+    assert (k.R, k.d1, k.d2, k.step_tokens, k.sampling, k.lanes) == (4, 1, 2, 0, "cascade", "on")
+    assert not k.coupled and k.schedule.readout_depths == (1, 2, 4)
+    assert k.async_scheduling == raw["async"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        k.lanes = "auto"
+    partial = Knobs.of({"R": 4})
+    assert (partial.step_tokens, partial.lanes, partial.sampling) == (STEP_TOKENS, "auto", "auto")
+
+
 def test_raven_schedule_follows_the_deployed_loop_count(ckpt_factory):
     path = ckpt_factory("huginn_raven", options={"layout": "llama", "state_init": "seeded"})
     cfg = _config(path, {"method": "loopspec", "d1": 2, "d2": 8, "gate": False},

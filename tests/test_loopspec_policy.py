@@ -381,17 +381,20 @@ def test_policy_runs_the_fastest_lane_budget_and_rechecks_the_others():
 
 
 def test_the_first_lane_trial_weighs_every_budget_against_plain():
-    """Lanes at the full budget lose to plain decoding, with first proposals only they win: the
-    bucket's first lanes trial runs every budget's trial, so the policy runs lanes at "first" from
-    the start instead of keeping plain until a re-check (the trained Raven at 4 requests kept plain
-    for a whole run after the full budget's trial alone)."""
+    """Lanes at the full budget lose to plain decoding, with first proposals only they win: after
+    the full budget's trial and plain's, the bucket runs the other budgets' trials, so the policy
+    runs lanes at "first" from then on instead of keeping plain until a re-check (the trained Raven
+    at 4 requests kept plain for a whole run after the full budget's trial alone). Where the full
+    budget is clearly slower than plain, the other budgets get no trial then."""
     from vllm_loop.loopspec.policy import lane_options
 
     policy = LanePolicy(trial=4, recheck=50, budget=1.0, options=lane_options(32, 2, 8, 64))
     ran = _run_options(policy, 4, 60, option_speed=[200.0, 400.0, 300.0], plain=250.0)
-    assert ran[:12] == [0] * 4 + [1] * 4 + [2] * 4  # each budget's trial, before any plain step
-    assert ran[12] is None  # then plain's (over at once: clearly slower than "first")
-    assert ran[13:40] == [1] * 27  # then lanes at "first"
+    assert ran[:16] == [0] * 4 + [None] * 4 + [1] * 4 + [2] * 4  # full, plain, first, cap8
+    assert ran[16:50] == [1] * 34  # then lanes at "first"
+    hopeless = LanePolicy(trial=4, recheck=50, budget=1.0, options=lane_options(32, 2, 8, 64))
+    ran = _run_options(hopeless, 4, 40, option_speed=[100.0, 150.0, 120.0], plain=250.0)
+    assert ran == [0] * 4 + [None] * 36  # the full budget's trial, then plain's, then plain
 
 
 def test_lane_budgets_are_rated_by_ratios_of_sums():

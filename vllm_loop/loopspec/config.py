@@ -45,6 +45,7 @@ Compilation: a LoopSpec engine on one CUDA GPU skips ``torch.compile`` unless th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from vllm_loop import get_logger
 from vllm_loop.loopspec.policy import LANES_MODES
@@ -237,15 +238,53 @@ def graph_capture_sizes(sizes: list[int] | None, largest: int | None, *, mixed: 
     return None, min(512 if largest is None else largest, max_model_len)
 
 
-def knobs(vllm_config) -> dict | None:
-    """``additional_config["loopspec"]`` of an engine, or None when LoopSpec is off."""
+@dataclass(frozen=True)
+class Knobs:
+    """An engine's LoopSpec settings as ``translate`` validated them: the one typed, read-only view of
+    ``additional_config["loopspec"]`` (a plain dict there, because vLLM hashes and ships that config to
+    every process), and the one place a missing key gets its default."""
+
+    R: int
+    d1: int = 1
+    d2: int | None = None
+    gate: bool = True
+    late: tuple[int, ...] = ()
+    max_lanes: int = DEFAULT_LANE_CAP
+    lanes: str = "auto"
+    lane_graphs: str = "auto"
+    lane_attention: str = "auto"
+    lane_overlap: str = "auto"
+    step_tokens: int = STEP_TOKENS
+    sampling: str = "auto"
+    async_scheduling: str = "auto"  # the dict's "async": what the user asked of --async-scheduling
+
+    @classmethod
+    def of(cls, d: dict) -> Knobs:
+        fields = {k: v for k, v in d.items() if k != "async"} | {"late": tuple(d.get("late", ()))}
+        if "async" in d:
+            fields["async_scheduling"] = d["async"]
+        return cls(**fields)
+
+    @property
+    def schedule(self) -> LoopSpecSchedule:
+        return LoopSpecSchedule(self.R, self.d1, self.d2, self.gate, self.late)
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled requests by coupled sampling (``noise.py``), not the cascade."""
+        return self.sampling in ("auto", "coupled")
+
+
+def knobs(vllm_config) -> Knobs | None:
+    """The engine's LoopSpec settings, or None when LoopSpec is off."""
     extra = getattr(vllm_config, "additional_config", None) or {}
-    return extra.get("loopspec") if isinstance(extra, dict) else None
+    raw = extra.get("loopspec") if isinstance(extra, dict) else None
+    return None if raw is None else Knobs.of(raw)
 
 
 def schedule_of(vllm_config) -> LoopSpecSchedule | None:
     k = knobs(vllm_config)
-    return None if k is None else LoopSpecSchedule(k["R"], k["d1"], k["d2"], k["gate"], tuple(k.get("late", ())))
+    return None if k is None else k.schedule
 
 
 def readout_depths(vllm_config) -> tuple[int, ...]:

@@ -56,9 +56,11 @@ schedule's full budget, first proposals only (no second-proposal siblings), or a
 (``lane_options``). At a few requests the full budget pays; as the batch grows, every extra lane row
 is compute the step pays for whether or not its proposal is accepted, and a smaller budget can keep
 lanes ahead of plain decoding where the full one falls behind. Per bucket ``OptionChooser`` gives each
-option ``trial`` lane steps (the lanes' first trial in a bucket runs them all), then runs the fastest (tokens per
-second of lane steps, as ratios of sums), re-checking the others now and then; the lanes-vs-plain
-choice above weighs the lanes at their best option. An
+option ``trial`` lane steps (in a bucket's first trials: the full budget's, plain's, then the other budgets' unless
+the full one was clearly slower than plain; a budget clearly slower than plain or than another
+budget ends its trial at once), then runs the fastest (tokens per second of lane steps, as ratios of
+sums), re-checking the others now and then; the lanes-vs-plain choice above weighs the lanes at
+their best option. An
 option only withholds proposals, which is lossless at any step (a root verified without a proposal
 commits its own full-depth token), so options switch from one step to the next without a restart.
 """
@@ -185,6 +187,7 @@ class OptionChooser:
     def __init__(self, options: list[LaneOption], trial: int = 4, recheck: int = 64, smoothing: float = 0.3):
         self.options, self.trial, self.recheck, self.smoothing = options, trial, recheck, smoothing
         self.buckets: dict[int, _Options] = {}
+        self.floor = 0.0  # the plain rate a budget's trial must come near to go on (set by LanePolicy)
 
     def choose(self, rows: int) -> int:
         if len(self.options) == 1:
@@ -239,9 +242,9 @@ class OptionChooser:
         b.seen[option] = n + 1
         ratio = window[0] / window[1]
         if n < self.trial or option not in b.rate:  # in its trial: the trial's ratio so far
-            others = [r for i, r in b.rate.items() if i != option]
+            others = [r for i, r in b.rate.items() if i != option] + [self.floor]
             b.rate[option] = ratio
-            if n == 0 and others and ratio < EARLY_END * max(others):  # clearly slower: its trial ends here
+            if n == 0 and ratio < EARLY_END * max(others):  # clearly slower: its trial ends here
                 b.seen[option] = self.trial
             if b.seen[option] >= self.trial:
                 b.window[option] = [0.0, 0.0]
@@ -297,11 +300,17 @@ class LanePolicy:
             return True
         b = self.buckets.setdefault(bucket_of(rows), _Bucket())
         for mode in (True, False):
-            # the lanes' first trial runs every lane budget's, so that lanes are weighed against plain
-            # at their best budget (at the full one alone they lost at 4 requests on the trained Raven
-            # while the others were never measured there, benchmarks/RESULTS.md)
-            if b.seen[mode] < self.trial or (mode and not self.chooser.settled(rows)):
+            if b.seen[mode] < self.trial:
                 return mode
+        # then the other lane budgets' trials, so that lanes are weighed against plain at their best
+        # budget (at the full one alone they lost at 4 requests on the trained Raven while the others were
+        # never measured there, benchmarks/RESULTS.md) -- unless the first was clearly slower than plain:
+        # the budgets withhold lanes from the full one, and where it is that far behind (3-9x at 16-64
+        # requests there) their trials cost more than they can find
+        plain = b.rate.get(False, 0.0)
+        if not self.chooser.settled(rows) and self.chooser.best_rate(rows) >= EARLY_END * plain:
+            self.chooser.floor = plain
+            return True
         b.steps += 1
         best = b.best()
         if b.last is not None and best != b.last and not b.rechecking:

@@ -39,7 +39,7 @@ import torch
 from torch.profiler import record_function
 
 from vllm_loop import get_logger
-from vllm_loop.loopspec.config import knobs, schedule_of
+from vllm_loop.loopspec.config import knobs
 from vllm_loop.loopspec.lane_graphs import (
     DEPTH,
     GREEDY_FIELDS,
@@ -222,30 +222,30 @@ class LoopSpecRunner:
         k = knobs(vllm_config)
         if k is None:
             raise ValueError("LoopSpecRunner needs additional_config['loopspec'] (use method 'loopspec')")
-        self.schedule = schedule_of(vllm_config)
-        self.max_lanes = int(k["max_lanes"])
+        self.schedule = k.schedule
+        self.max_lanes = k.max_lanes
         # the lane budgets a lanes-mode step may run (the scheduler's policy picks one: ``so.loopspec_option``)
         self.options = lane_options(self.schedule.R, self.schedule.d1, self.schedule.d2, self.max_lanes)
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
-        self.pad_drafts = k.get("step_tokens", 0) > 0  # step_drafts
+        self.pad_drafts = k.step_tokens > 0  # step_drafts
         # the lockstep bounds (``_more_steps``): while no request waits to join, and while some do
-        self.lockstep = max(self.schedule.R, LOCKSTEP, k.get("step_tokens", 0))
+        self.lockstep = max(self.schedule.R, LOCKSTEP, k.step_tokens)
         self.lockstep_joining = max(self.schedule.R, LOCKSTEP)
         self._waiting = True  # this engine step's: did requests wait to join when it was scheduled
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
         self.seed = vllm_config.model_config.seed or 0
-        graph_mode = k.get("lane_graphs", "auto")
+        graph_mode = k.lane_graphs
         self.cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
         # overlap (auto): a greedy lane step enqueues each recurrent step on the likely outcome of the one
         # before, so the GPU computes while the host reads and decides ("off": one after the other)
-        self.overlap = k.get("lane_overlap", "auto") == "auto"
+        self.overlap = k.lane_overlap == "auto"
         # coupled (auto): sampled requests' readouts are noisy argmaxes on the GPU, decided as greedy ones
         # (``noise.py``); "cascade": the paper's cascade on filtered distributions, decided on the host
-        self.coupled = k.get("sampling", "auto") in ("auto", "coupled")
+        self.coupled = k.coupled
         # auto: the kernel on CUDA (5.6 against 7.1 ms per Ouro-1.4B recurrent step on the H200,
         # benchmarks/RESULTS.md), the PyTorch path elsewhere
-        self.attention_mode = k.get("lane_attention", "auto")
+        self.attention_mode = k.lane_attention
         if self.attention_mode == "auto":
             self.attention_mode = "triton" if self.cuda else "torch"
         # the Triton lane attention (lane_attention "triton"); checked here, at start-up

@@ -117,9 +117,11 @@ class LoopSpecScheduler(Scheduler):
         base = os.environ.get(METRICS_ENV)
         index = self.vllm_config.parallel_config.data_parallel_rank
         self._metrics_file = metrics_path(base, index) if base else None
-        k = knobs(self.vllm_config) or {}
-        options = lane_options(k["R"], k["d1"], k["d2"], k["max_lanes"]) if k else None
-        self.lane_policy = LanePolicy(k.get("lanes", "on"), pattern=os.environ.get(PATTERN_ENV), options=options)
+        k = knobs(self.vllm_config)
+        options = None if k is None else lane_options(k.R, k.d1, k.d2, k.max_lanes)
+        # without LoopSpec (k None) no step runs lanes whatever the policy says
+        self.lane_policy = LanePolicy("on" if k is None else k.lanes, pattern=os.environ.get(PATTERN_ENV),
+                                      options=options)
         self._published_at, self._unpublished = 0.0, False
         self._last_lanes = False  # the mode of the last step that ran (for plain steps' warm-ups)
         self._last_rows: int | None = None  # its rows (a plain sample needs an unchanged batch)

@@ -78,7 +78,7 @@ class LoopSpecStatLogger(StatLoggerBase):
         self.enabled = k is not None and base is not None
         if not self.enabled:
             return
-        self.R = k["R"]
+        self.R = k.R
         self.path = metrics_path(base, engine_index)
         self.labels = [str(vllm_config.model_config.served_model_name), str(engine_index)]
         self.seen = EngineCounters()  # totals already turned into counter increments

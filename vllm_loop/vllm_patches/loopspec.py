@@ -161,8 +161,8 @@ def install_loopspec_async() -> None:
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
         k = knobs(config)
-        asked = None if k is None else k.get("async", "auto")
-        if asked is None or asked == "off" or (asked == "auto" and k["lanes"] != "auto"):
+        asked = None if k is None else k.async_scheduling
+        if asked is None or asked == "off" or (asked == "auto" and k.lanes != "auto"):
             return config
         reason = async_blocker(config)
         if reason is not None:
