@@ -8,9 +8,6 @@
 #             auto; and with drafts = the lane chain alone, "step_tokens": 0) side by side, medians of
 #             3 runs at concurrency 1, 4, 16 (with a profile of lane steps at 1), of 2 at 64 and 128;
 #             = speed-low (1, 4, 16) then speed-high (64, 128)
-#   knobs     the same checkpoint at 1 and 4, medians of 3: the defaults against "step_tokens": 32 and
-#             the all-Triton lane chain with PDL (VLLM_LOOP_LANE_GEMM=triton VLLM_LOOP_PDL=1), each
-#             alone and both, next to in-tree
 #   random    the same shape with random weights (low acceptance): concurrency 1, 64, 128
 #   huginn    Huginn-0125 shape (R=32): 2:8 and the tuner's schedule for the same checkpoint
 #             (benchmarks/results/huginn-0125-tune.json, made on a CPU by the command in RESULTS.md),
@@ -44,19 +41,19 @@
 #             (smoke, Ouro parity, early exit, latent models), raven-parity-tests, nocompile-tests,
 #             async-tests, other-tests (mixed rows, sampling distribution, plain decode graphs, and any
 #             test no other part names, so none is left out)
-# About 5 / 20 / 8 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
+# About 5 / 20 / 5 / 8 / 15 / 15 minutes on one H200 with cold compile caches. The parts of speed,
 # huginn, identity and gpu-tests are steps of their own, each sized from per-test times on an H100 to
 # fit ~10 minutes (the limit of one command on some hosts). As steps on an H100 (benchmarks/RESULTS.md):
 # parity-tests 5.4, raven-parity-tests 3.2, nocompile-tests 2.7 (4.1 as a fresh host's first),
 # other-tests 3.4 minutes.
 set -u
-all="kernels speed knobs random huginn identity gpu-tests"
+all="kernels speed random huginn identity gpu-tests"
 out=${1:?usage: bash benchmarks/gpu_evidence.sh OUTDIR [$all]}
 shift
 steps=${*:-$all}
 # pytest -k expressions of the GPU-test parts; other-tests is what none of the others names
 identity_k="greedy_identity_compiled and not async"
-kernel_k="lane_attention_on_gpu or norm_add_norm_on_gpu or skinny_gemm_on_gpu or pdl_on_gpu or swiglu_down_on_gpu or coupled_sampler_on_gpu"
+kernel_k="lane_attention_on_gpu or norm_add_norm_on_gpu or skinny_gemm_on_gpu or swiglu_down_on_gpu or coupled_sampler_on_gpu"
 parity_k="plugin_smoke or ouro_parity or early_exit or latent_cuda_graphs"
 raven_parity_k="raven_parity"
 nocompile_k="greedy_identity_nocompile"
@@ -114,8 +111,6 @@ for step in $steps; do
     case $step in
         speed-low) speed 3 ouro-1.4b 0.001 ouro-1.4b-low $ouro 1 4 16 --profile ;;
         speed-high) speed 2 ouro-1.4b 0.001 ouro-1.4b-high $ouro 64 128 ;;
-        knobs) speed 3 ouro-1.4b 0.001 ouro-1.4b-knobs \
-                   in-tree,loopspec-auto,loopspec-auto-step32,loopspec-auto-tgemm-pdl,loopspec-auto-tgemm-pdl-step32 1 4 ;;
         random) speed 1 ouro-1.4b 0 ouro-1.4b-random in-tree,vanilla,loopspec-auto 1 64 128 ;;
         huginn-1) speed 2 huginn-0125 0.001 huginn-0125-c1 vanilla,loopspec,loopspec-tuned 1 --profile \
                       --profile-system loopspec-tuned --tuned benchmarks/results/huginn-0125-tune.json ;;

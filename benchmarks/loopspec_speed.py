@@ -43,12 +43,9 @@ engine but LoopSpec's, which skips it by default, see ``SYSTEM-compiled`` below)
 * ``SYSTEM-unfused`` (a LoopSpec system above) -- the same engine with the lane calls' SiLU-and-mul and
   down projection as vLLM's two kernels (``VLLM_LOOP_LANE_SWIGLU=0``; the default fuses
   them, ``kernels/skinny_gemm.py: swiglu_down``);
-* ``SYSTEM-stepN`` (a LoopSpec system above; suffixes in any order, e.g. ``loopspec-tuned-step64-pdl``)
+* ``SYSTEM-stepN`` (a LoopSpec system above; suffixes in any order, e.g. ``loopspec-tuned-step64-unfused``)
   -- ``"step_tokens": N``: up to N drafts a request a step, and, while no
   request waits to join, lane steps of up to max(R, 16, N) recurrent steps (``runner.LOCKSTEP``);
-* ``SYSTEM-tgemm`` / ``SYSTEM-pdl`` (a LoopSpec system above, either or both, e.g. ``loopspec-auto-tgemm-pdl``)
-  -- the lane calls' projections on the few-rows Triton GEMM instead of cuBLAS (``VLLM_LOOP_LANE_GEMM=triton``)
-  / every Triton kernel launched with programmatic dependent launch (``VLLM_LOOP_PDL=1``, ``kernels/pdl.py``);
 * ``SYSTEM-plainonly`` (a LoopSpec system above) -- the same engine deciding plain decoding for every
   step (the lanes policy's test pattern, ``VLLM_LOOP_LANES_PATTERN=P``): what a LoopSpec engine's plain
   steps cost against ``vanilla`` with no lane step at all (``loopspec-auto`` against it: what the
@@ -146,8 +143,7 @@ COMPILATION = {"-nocompile": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, 
                "-fullgraphs": {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}}
 # suffixes to a LoopSpec system (any order, split_system): one variable of its engine's environment, for
 # its lane kernels or its lanes policy (``-plainonly``: the policy's test pattern "P"; the docstring)
-ENGINE_ENV = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-tgemm": ("VLLM_LOOP_LANE_GEMM", "triton"),
-              "-pdl": ("VLLM_LOOP_PDL", "1"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P"),
+ENGINE_ENV = {"-unfused": ("VLLM_LOOP_LANE_SWIGLU", "0"), "-plainonly": ("VLLM_LOOP_LANES_PATTERN", "P"),
               "-torchsample": ("VLLM_LOOP_COUPLED_KERNEL", "0")}
 
 

@@ -10,11 +10,10 @@
   and in vLLM's forward when it is not compiled.
 * ``skinny_gemm`` -- ``x @ w.T`` for a few rows, optionally split over K, optionally with SwiGLU's
   ``silu(gate) * up`` formed as it loads ``x``: the lanes' MLP down projection (``swiglu_down``, one
-  launch for SiLU-and-mul and the GEMM). As a plain GEMM the engine uses it only when asked
-  (``VLLM_LOOP_LANE_GEMM=triton``: cuBLAS measured as fast or faster on the H200 without PDL,
-  ``benchmarks/probes/lane_gemm_compare.py``).
-* ``pdl`` -- programmatic dependent launch for all of the above (``VLLM_LOOP_PDL=1``, Hopper): each
-  kernel may start while the one before ends, the GEMMs loading their first weight tile meanwhile.
+  launch for SiLU-and-mul and the GEMM). Not as a plain GEMM: cuBLAS measured as fast or faster
+  (``benchmarks/probes/lane_gemm_compare.py``).
+* ``coupled_sample`` -- coupled sampling's filtered noisy argmax of a row (``vllm_loop/loopspec/noise.py``)
+  in one kernel, without sorting the vocabulary.
 * ``arrivals`` -- the atomic counters by which the last program of a split computation merges the
   partials in the same launch (the lane attention's one-pass merge, the split-K GEMM).
 

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counters
-from .pdl import compiled, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -131,12 +130,11 @@ def _lane_kernel(
     scale, A, rep,
     B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PIECES: tl.constexpr,
-    ROT: tl.constexpr, NEOX: tl.constexpr, ONE_PASS: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr,
+    ROT: tl.constexpr, NEOX: tl.constexpr, ONE_PASS: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Program (lane, KV head, piece): pieces ``0..PIECES-1`` walk their part of the paged prefix,
     piece ``PIECES`` the lane window; each leaves a partial result. ``ONE_PASS``: the last program of
     a (lane, head) to arrive folds the partials into the output (else ``_merge_kernel`` does)."""
-    wait_for_inputs(GDC)  # q, k, v are the kernel before's output
     row = tl.program_id(0)
     head = tl.program_id(1)  # KV head
     piece = tl.program_id(2)
@@ -245,10 +243,9 @@ def _merge(acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, out_ptr, so0, so1, row
 def _merge_kernel(
     out_ptr, so0, so1, prefix_ptr, acc_ptr, san, sah, sas, ml_ptr, smn, smh, sms, rep,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT: tl.constexpr, PIECES: tl.constexpr, GDC: tl.constexpr,
+    SPLIT: tl.constexpr, PIECES: tl.constexpr,
 ):
     """One program per (lane, KV head): ``_merge`` after ``_lane_kernel`` (two launches, no counters)."""
-    wait_for_inputs(GDC)
     row = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
@@ -347,9 +344,8 @@ def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: t
     one_pass = merge == "one-pass"
     counters = arrival_counters(q.device, n * H, "lane_attention") if one_pass else slots
     A = ancestors.shape[1]
-    pdl = compiled(use_pdl(q.device))
     meta = dict(D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rep), BLOCK_N=BLOCK_N,
-                SPLIT=split, PIECES=pieces, BLOCK_S=min(16, triton.next_power_of_2(pieces)), GDC=pdl, launch_pdl=pdl)
+                SPLIT=split, PIECES=pieces, BLOCK_S=min(16, triton.next_power_of_2(pieces)))
     _lane_kernel[(n, H, pieces + 1)](
         q, q.stride(0), q.stride(1),
         k_pages, v_pages, *k_pages.stride(), *v_pages.stride(),

@@ -14,7 +14,7 @@ CUDA graph. Two seams:
 The arithmetic is vLLM's native ``rms_norm`` / ``fused_add_rms_norm`` and PyTorch's add (``vllm.ir``):
 fp32 statistics, each norm rounded to the input dtype before its weight, the product rounded.
 
-On CUDA they launch with PDL when ``kernels/pdl.py`` says so. Run on CUDA, and on the CPU under
+Run on CUDA, and on the CPU under
 ``TRITON_INTERPRET=1`` (how CI checks them against vLLM's norms).
 """
 
@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import compiled, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -38,8 +37,7 @@ def _rms_norm(x, w_ptr, eps, H, c, mask, ty):
 
 @triton.jit
 def _add_norm_norm_kernel(a_ptr, sa, x_ptr, sx, x_out_ptr, sxo, h_ptr, sh, wa_ptr, wb_ptr, eps_a, eps_b, H,
-                          BLOCK: tl.constexpr, GDC: tl.constexpr):
-    wait_for_inputs(GDC)
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < H
@@ -54,8 +52,7 @@ def _add_norm_norm_kernel(a_ptr, sa, x_ptr, sx, x_out_ptr, sxo, h_ptr, sh, wa_pt
 
 @triton.jit
 def _norm_add_norm_kernel(x_ptr, sx, res_ptr, sr, out_ptr, so, wa_ptr, wb_ptr, eps_a, eps_b, H,
-                          BLOCK: tl.constexpr, GDC: tl.constexpr):
-    wait_for_inputs(GDC)
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < H
@@ -76,11 +73,10 @@ def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, weight_a: torch.Tenso
     n, H = x.shape
     if x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError("norm_add_norm needs rows contiguous in the hidden dimension")
-    out, pdl = torch.empty_like(x), compiled(use_pdl(x.device))
+    out = torch.empty_like(x)
     if n:
         _norm_add_norm_kernel[(n,)](x, x.stride(0), residual, residual.stride(0), out, out.stride(0),
-                                    weight_a, weight_b, eps_a, eps_b, H, BLOCK=triton.next_power_of_2(H),
-                                    GDC=pdl, launch_pdl=pdl)
+                                    weight_a, weight_b, eps_a, eps_b, H, BLOCK=triton.next_power_of_2(H))
     return out, residual
 
 
@@ -91,9 +87,7 @@ def add_norm_norm(a: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, eps_
     if a.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("add_norm_norm needs rows contiguous in the hidden dimension")
     y, h = torch.empty_like(x), torch.empty_like(x)
-    pdl = compiled(use_pdl(x.device))
     if n:
         _add_norm_norm_kernel[(n,)](a, a.stride(0), x, x.stride(0), y, y.stride(0), h, h.stride(0), weight_a,
-                                    weight_b, eps_a, eps_b, H, BLOCK=triton.next_power_of_2(H),
-                                    GDC=pdl, launch_pdl=pdl)
+                                    weight_b, eps_a, eps_b, H, BLOCK=triton.next_power_of_2(H))
     return y, h

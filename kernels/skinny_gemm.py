@@ -1,8 +1,7 @@
 """``x @ w.T`` for a few rows (Triton), optionally split over K, optionally with SwiGLU's
 ``silu(gate) * up`` taken on the fly as ``x``: the lanes' MLP down projection (``swiglu_down``).
-As a plain GEMM the engine uses it only when asked (``VLLM_LOOP_LANE_GEMM=triton``, ``gemm_config``):
-without PDL cuBLAS is as fast or faster; launched with PDL (``kernels/pdl.py``) each program loads its
-first weight tile while the kernel before it ends, which cuBLAS's kernels are not launched to do.
+As a plain GEMM the engine does not use it: cuBLAS is as fast or faster (below; launched with
+programmatic dependent launch the chain of Triton kernels was slower still, benchmarks/RESULTS.md).
 
 A lane step at one request multiplies 4-16 rows by every weight matrix of the shared block: pure
 weight streaming. cuBLAS does that near the H200's bandwidth for the wide matrices, but not for
@@ -41,7 +40,6 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counters
-from .pdl import compiled, use_pdl, wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 64  # beyond this cuBLAS's larger tiles fill the GPU anyway (and BLOCK_M x BLOCK_K outgrows shared memory)
@@ -89,7 +87,7 @@ def _mma(acc, x, w, IEEE: tl.constexpr):
 def _skinny_gemm_kernel(x_ptr, sx, w_ptr, sw, out_ptr, so, part_ptr, count_ptr, M, N, K, K_SLICE,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLITS: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
-                        PREFETCH: tl.constexpr, PEEL: tl.constexpr, GDC: tl.constexpr):
+                        PREFETCH: tl.constexpr):
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -97,17 +95,6 @@ def _skinny_gemm_kernel(x_ptr, sx, w_ptr, sw, out_ptr, so, part_ptr, count_ptr, 
     first = tl.program_id(1) * K_SLICE
     end = tl.minimum(first + K_SLICE, K)
     loop_from = first
-    if PEEL:  # the first K iteration on its own, its weight tile loaded before the wait (kernels/pdl.py)
-        k = first + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None] * sw + k[None, :], mask=(n < N)[:, None] & (k < end)[None, :], other=0.0)
-        wait_for_inputs(GDC)
-        if GATED:
-            gate, up = _gate_up(x_ptr, sx, m, k, M, K, end)
-            x = _swiglu(gate, up)
-        else:
-            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
-        acc = _mma(acc, x, w, IEEE)
-        loop_from = first + BLOCK_K
     if GATED:  # loaded one iteration ahead: the activation is computed, not fed to tl.dot as loaded,
         #        so Triton's pipelining leaves these loads' latency in every iteration otherwise
         gate_next, up_next = _gate_up(x_ptr, sx, m, loop_from + tl.arange(0, BLOCK_K), M, K, end)
@@ -143,12 +130,9 @@ def _skinny_gemm_kernel(x_ptr, sx, w_ptr, sw, out_ptr, so, part_ptr, count_ptr, 
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0], *, gated: bool = False,
-                prefetch: bool = True, pdl: bool | None = None) -> torch.Tensor:
+                prefetch: bool = True) -> torch.Tensor:
     """``x [M, K] @ w [N, K].T`` for ``M <= MAX_ROWS``; fp16, bf16 or fp32, accumulated in fp32.
-    ``gated``: ``x`` is ``[M, 2K]``, gate then up, and the product is ``(silu(gate) * up) @ w.T``.
-    ``pdl``: launched with programmatic dependent launch, each program's first weight tile loaded
-    before it waits for the kernel before (``kernels/pdl.py``; None: ``use_pdl``). On the CPU
-    (interpreted) ``pdl=True`` runs that order without the wait, the same sum either way."""
+    ``gated``: ``x`` is ``[M, 2K]``, gate then up, and the product is ``(silu(gate) * up) @ w.T``."""
     M, K = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     N = w.shape[0]
     if M > MAX_ROWS or w.shape[1] != K or (gated and x.shape[1] != 2 * K):
@@ -157,8 +141,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0
     if x.dtype not in DTYPES or w.dtype != x.dtype:
         raise ValueError(f"skinny_gemm: x {x.dtype}, w {w.dtype}; allowed: both of one of {DTYPES}")
     config = GemmConfig(*config)
-    pdl = use_pdl(x.device) if pdl is None else pdl
-    gdc = compiled(pdl)  # PDL's order always; its wait and launch where compiled
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -173,8 +155,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig = CONFIGS[0
     _skinny_gemm_kernel[(tiles, splits)](x, x.stride(0), w, w.stride(0), out, out.stride(0), part, counters,
                                          M, N, K, k_slice, BLOCK_M=block_m, BLOCK_N=config.block_n,
                                          BLOCK_K=config.block_k, SPLITS=splits, IEEE=x.dtype == torch.float32,
-                                         GATED=gated, PREFETCH=prefetch, PEEL=pdl, GDC=gdc,
-                                         num_warps=config.warps, num_stages=config.stages, launch_pdl=gdc)
+                                         GATED=gated, PREFETCH=prefetch,
+                                         num_warps=config.warps, num_stages=config.stages)
     return out
 
 
@@ -192,28 +174,7 @@ def swiglu_config(n: int) -> GemmConfig:
 
 
 def swiglu_down(h: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None,
-                prefetch: bool = True, pdl: bool | None = None) -> torch.Tensor:
+                prefetch: bool = True) -> torch.Tensor:
     """``(silu(gate) * up) @ w.T`` of ``h = [gate | up]`` ``[M, 2F]``, ``w [N, F]``, in one launch
     (``config`` None: ``swiglu_config``)."""
-    return skinny_gemm(h, w, config or swiglu_config(w.shape[0]), gated=True, prefetch=prefetch, pdl=pdl)
-
-
-# The lanes' other projections through this kernel instead of cuBLAS (``VLLM_LOOP_LANE_GEMM=triton``,
-# ``models/layers.py: lane_linear``), for the launch overlap PDL gives a chain of Triton kernels
-# (``kernels/pdl.py``); cuBLAS's kernels are not launched that way. Without PDL a run on the H200
-# (results/lane-gemm-splitk-h200.txt, 4 and 16 rows) had these within 0.2 us of cuBLAS on
-# Ouro-1.4B's matrices and 1-4 us slower on Huginn-0125's; with PDL, in the engine on the H200, an Ouro-1.4B
-# recurrent step took 1.615 ms against cuBLAS's 1.585 without PDL (benchmarks/RESULTS.md): not the default.
-GEMM_MAX_ROWS = 16
-
-
-def gemm_config(n: int, k: int) -> GemmConfig:
-    """The fastest configuration timed (benchmarks/RESULTS.md) for an ``[n, k]`` weight at <= 16 rows."""
-    if n * k <= 2048 * 2048:  # Ouro-1.4B's o projection: 6.0-6.1 us against cuBLAS's 6.0-6.1
-        return GemmConfig(16, 256, 4, 4, 1)
-    if k <= 2048:  # Ouro-1.4B's qkv and gate / up: 9.7-9.9 and 13.6-13.9 us (cuBLAS 9.5-9.7, 13.4-13.7)
-        return GemmConfig(32, 128, 4, 4, 1)
-    if n <= 8192:  # Huginn-0125's o projection: 18.4-19.4 us (cuBLAS 16.4-16.8)
-        return GemmConfig(32, 256, 4, 2, 4)
-    return GemmConfig(64, 128, 4, 3, 1)  # Huginn-0125's qkv and gate / up: 43.9-44.9, 100.8-104.2 us
-    #                                      (cuBLAS 41.9-42.3, 103.5-104.6)
+    return skinny_gemm(h, w, config or swiglu_config(w.shape[0]), gated=True, prefetch=prefetch)

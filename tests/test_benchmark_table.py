@@ -57,11 +57,11 @@ def test_first_token_time_when_measured():
 def test_system_suffixes():
     """A system's compilation, lane-kernel, plain-only and step-tokens suffixes, in any order: the engine's
     config and environment."""
-    assert split_system("loopspec-auto-tgemm-pdl") == ("loopspec-auto", None, {"VLLM_LOOP_LANE_GEMM": "triton",
-                                                                              "VLLM_LOOP_PDL": "1"}, None)
+    assert split_system("loopspec-auto-unfused-torchsample") == ("loopspec-auto", None, {
+        "VLLM_LOOP_LANE_SWIGLU": "0", "VLLM_LOOP_COUPLED_KERNEL": "0"}, None)
     assert split_system("loopspec-tuned-nocompile-unfused") == (
         "loopspec-tuned", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {"VLLM_LOOP_LANE_SWIGLU": "0"}, None)
-    assert split_system("loopspec-tuned-step64-pdl") == ("loopspec-tuned", None, {"VLLM_LOOP_PDL": "1"}, 64)
+    assert split_system("loopspec-tuned-step64-unfused") == ("loopspec-tuned", None, {"VLLM_LOOP_LANE_SWIGLU": "0"}, 64)
     assert split_system("loopspec-auto-step32-nocompile") == split_system("loopspec-auto-nocompile-step32") == (
         "loopspec-auto", {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {}, 32)
     assert split_system("vanilla-step32") == ("vanilla-step32", None, {}, None)  # not a LoopSpec system

@@ -217,29 +217,21 @@ def test_loopspec_greedy_identity_compiled(ckpt_factory, name, graphs, attention
     _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled=True)
 
 
-# lane kernels: environment of the engine (kernels/pdl.py, models/layers.py: lane_linear)
-LANE_KERNELS = {"default": {}, "triton-gemm-pdl": {"VLLM_LOOP_LANE_GEMM": "triton", "VLLM_LOOP_PDL": "1"}}
-
-
-# (checkpoint, lane kernels, lane_graphs)
-NOCOMPILE = [(name, kernels, "auto") for name in ("huginn-R32-1:5", "ouro-agree-1:2", "ouro-agree-1:2-step32")
-             for kernels in LANE_KERNELS] + [("huginn-R32-1:5", "default", "off"), ("ouro-agree-1:2", "default", "off")]
+# (checkpoint, lane_graphs)
+NOCOMPILE = [(name, "auto") for name in ("huginn-R32-1:5", "ouro-agree-1:2", "ouro-agree-1:2-step32")] + \
+    [("huginn-R32-1:5", "off"), ("ouro-agree-1:2", "off")]
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name, kernels, graphs", NOCOMPILE,
-                         ids=[f"{n}-{k}" + ("" if g == "auto" else f"-lane-graphs-{g}") for n, k, g in NOCOMPILE])
-def test_loopspec_greedy_identity_nocompile(ckpt_factory, monkeypatch, name, kernels, graphs):
+@pytest.mark.parametrize("name, graphs", NOCOMPILE,
+                         ids=[n + ("" if g == "auto" else f"-lane-graphs-{g}") for n, g in NOCOMPILE])
+def test_loopspec_greedy_identity_nocompile(ckpt_factory, name, graphs):
     """The same with a LoopSpec engine's default compilation: none (``mode`` NONE, ``cudagraph_mode``
     FULL: no Dynamo / Inductor at start-up; vLLM's forward replayed from its full graphs, prefills and
     lane-verifying steps from mixed-step graphs capped at ``max_model_len``, 1-token decode steps from
     their own): identical to the reference, with lane calls replayed from the lane graphs and (``off``)
-    eager; also with the lanes' projections on the Triton GEMM and every Triton kernel launched with PDL
-    (the engine-core process inherits the environment); and with 32 drafts a step (``step32``: longer
-    lane steps)."""
-    for key, value in LANE_KERNELS[kernels].items():
-        monkeypatch.setenv(key, value)
-    _greedy_identity(ckpt_factory, name, graphs, "triton", "auto", compiled=False, kernels=kernels)
+    eager; and with 32 drafts a step (``step32``: longer lane steps)."""
+    _greedy_identity(ckpt_factory, name, graphs, "triton", "auto", compiled=False)
 
 
 def _count_graph_dispatches(worker) -> None:
@@ -265,7 +257,7 @@ def _graph_dispatches(worker) -> dict:
             "mixed_keys": sum(not k.uniform for k in keys), "largest": d.compilation_config.max_cudagraph_capture_size}
 
 
-def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool, kernels: str = "default"):
+def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: bool):
     from vllm_loop.loopspec.stat_logger import engine_totals
     from vllm_loop.reference import load_reference
     from vllm_loop.testing.engines import greedy_jobs, lane_census, run_jobs
@@ -304,7 +296,7 @@ def _greedy_identity(ckpt_factory, name, graphs, attention, overlap, compiled: b
         assert graphs_used["largest"] == 128 and graphs_used["decode_keys"] > 0, graphs_used
         assert graphs_used["counts"].get("FULL-mixed", 0) > 0, graphs_used
     asked = f", vLLM's graphs {graphs_used}" if graphs_used else ""
-    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}{asked}, lane kernels {kernels}, lane graphs {graphs} "
+    print(f"GPU LoopSpec {name}, {'compiled' if compiled else 'no compile'}{asked}, lane graphs {graphs} "
           f"({lane_graphs}), lane attention {attention}, overlap "
           f"{overlap} ({totals.overlap_wasted} rows wasted, {totals.overlap_lagged} lanes lagged): 16 staggered "
           f"requests identical to the reference; {totals.log_line(overrides.get('mean_recurrence', 4))}")
@@ -626,61 +618,6 @@ def test_triton_skinny_gemm_on_gpu(dtype):
 
     compare_skinny_gemm("cuda", dtype, shapes=((1, 40, 72), (5, 24, 300), (16, 33, 64), (8, 6144, 2048),
                                                (8, 2048, 2048), (8, 11264, 2048), (4, 2048, 5632)))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_lane_kernels_with_pdl_on_gpu(monkeypatch, dtype):
-    """A lane layer's chain of Triton kernels at Ouro-1.4B's shapes (seam norm, qkv, output
-    projection, seam norm, gate / up, SiLU-and-mul with the down projection), captured in one CUDA
-    graph launched with PDL (``kernels/pdl.py``: each kernel may start before the one it reads has
-    ended) and replayed: the same bits as the chain run eagerly without PDL; the lane attention
-    with and without PDL the same bits too."""
-    from test_lane_kernels import lane_attention_case
-
-    from vllm_loop_kernels.lane_attention import lane_attention
-    from vllm_loop_kernels.norm_add_norm import norm_add_norm
-    from vllm_loop_kernels.skinny_gemm import gemm_config, skinny_gemm, swiglu_down
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    H, F, rows = 2048, 5632, 4
-
-    def weights(n, k):
-        return torch.randn(n, k, device="cuda", generator=g).to(dtype) * k ** -0.5
-
-    qkv, o, gate_up, down = weights(3 * H, H), weights(H, H), weights(2 * F, H), weights(H, F)
-    norm = torch.ones(H, device="cuda", dtype=dtype) + torch.randn(H, device="cuda", generator=g).to(dtype) * 0.1
-    x0 = torch.randn(rows, H, device="cuda", generator=g).to(dtype)
-    res0 = torch.randn(rows, H, device="cuda", generator=g).to(dtype)
-
-    def chain(x, res):
-        for _ in range(3):  # layers, each reading the one before's output
-            h, res = norm_add_norm(x, res, norm, 1e-6, norm, 1e-6)
-            a = skinny_gemm(skinny_gemm(h, qkv, gemm_config(3 * H, H))[:, :H].contiguous(), o, gemm_config(H, H))
-            h, res = norm_add_norm(a, res, norm, 1e-6, norm, 1e-6)
-            x = swiglu_down(skinny_gemm(h, gate_up, gemm_config(2 * F, H)), down)
-        return x, res
-
-    monkeypatch.delenv("VLLM_LOOP_PDL", raising=False)
-    want = chain(x0, res0.clone())
-    monkeypatch.setenv("VLLM_LOOP_PDL", "1")
-    x, res = x0.clone(), res0.clone()
-    chain(x, res.clone())  # warm-up: compiles the PDL variants, takes the arrival counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain(x, res)
-    for _ in range(3):
-        res.copy_(res0)  # the seam norms update the residual in place
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    paged, scratch, lanes, bank_ids, depths, q, k, v = lane_attention_case("split-last", "cuda", dtype,
-                                                                           heads=(16, 16), D=128, prefix0=600)
-    outs = []
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("VLLM_LOOP_PDL", pdl)
-        outs.append(lane_attention(q, k, v, paged.k, paged.v, paged.page_of, bank_ids, depths, lanes.prefix,
-                                   lanes.slots, lanes.block_rows, lanes.ancestors, scratch.kv, 128**-0.5))
-    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

@@ -212,9 +212,7 @@ def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (
     """``skinny_gemm`` in every configuration of ``CONFIGS``, against an fp64 product:
     rows 1-64, output and input widths that fill no tile exactly (K slices that end inside an
     iteration, slices left empty), a strided ``x``; twice, so a split-K launch finds its arrival
-    counters re-armed by the one before, then in PDL's order (the first weight tile loaded before
-    the wait, which the CPU does not run) to the same bits. fp32 to 1e-5 of the product's scale:
-    TF32 would miss that."""
+    counters re-armed by the one before. fp32 to 1e-5 of the product's scale: TF32 would miss that."""
     from vllm_loop_kernels.skinny_gemm import CONFIGS, skinny_gemm
 
     g = torch.Generator().manual_seed(0)
@@ -225,18 +223,16 @@ def compare_skinny_gemm(device: str, dtype, shapes=((1, 40, 72), (5, 24, 300), (
         atol, rtol = (1e-5 * k ** 0.5, 1e-5) if dtype == torch.float32 else (3e-2 * k ** 0.5 / 8, 1e-2)
         for config in CONFIGS:
             for _ in range(2):
-                got = skinny_gemm(x, w, config, pdl=False)
+                got = skinny_gemm(x, w, config)
                 torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
                                            msg=lambda e: f"{(m, n, k)} {config}: {e}")
-            assert torch.equal(skinny_gemm(x, w, config, pdl=True), got), f"{(m, n, k)} {config}: PDL's order"
 
 
 def compare_swiglu_down(device: str, dtype, shapes=((1, 40, 72), (4, 24, 300), (16, 33, 200))):
     """``swiglu_down`` (SiLU-and-mul formed inside the split-K GEMM) against SiLU-and-mul as vLLM
     rounds it (``silu(gate)`` to the dtype, then the product) followed by an fp64 product; rows 1-16,
     widths that fill no tile, ``h`` a strided view; its default and both configurations, the
-    activation loaded ahead or not; each twice (the arrival counters re-arm), then in PDL's order to
-    the same bits."""
+    activation loaded ahead or not; each twice (the arrival counters re-arm)."""
     from vllm_loop_kernels.skinny_gemm import SWIGLU_NARROW, SWIGLU_WIDE, swiglu_down
 
     g = torch.Generator().manual_seed(1)
@@ -249,10 +245,9 @@ def compare_swiglu_down(device: str, dtype, shapes=((1, 40, 72), (4, 24, 300), (
         atol, rtol = (1e-5 * f ** 0.5, 1e-5) if dtype == torch.float32 else (3e-2 * f ** 0.5 / 8, 1e-2)
         for config, prefetch in ((None, True), (SWIGLU_NARROW, True), (SWIGLU_WIDE, True), (SWIGLU_WIDE, False)):
             for _ in range(2):
-                got = swiglu_down(h, w, config, prefetch, pdl=False)
+                got = swiglu_down(h, w, config, prefetch)
                 torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
                                            msg=lambda e: f"swiglu_down {(m, n, f)} {config} prefetch {prefetch}: {e}")
-            assert torch.equal(swiglu_down(h, w, config, prefetch, pdl=True), got), f"{(m, n, f)} {config}: PDL's order"
     with pytest.raises(ValueError, match="gated=True"):
         swiglu_down(torch.zeros(2, 7, dtype=dtype, device=device), torch.zeros(3, 3, dtype=dtype, device=device))
 
@@ -306,11 +301,10 @@ def test_triton_coupled_sampler_equals_the_torch_path():
 
 
 @pytest.mark.slow
-def test_lane_kernels_compile_for_hopper_with_pdl():
-    """Every lane kernel compiled (not run: no GPU here) for the H200's sm_90 with programmatic
-    dependent launch on (``kernels/pdl.py``), as the engine would launch it at Ouro-1.4B's and
-    Huginn-0125's shapes: Triton and ptxas accept them, and each waits on the kernel before; the
-    coupled sampler too (without PDL). The GPU runs them in tests/test_gpu.py."""
+def test_lane_kernels_compile_for_hopper():
+    """Every lane kernel compiled (not run: no GPU here) for the H200's sm_90, as the engine would
+    launch it at Ouro-1.4B's and Huginn-0125's shapes, and the coupled sampler at Ouro-1.4B's
+    vocabulary: Triton and ptxas accept them. The GPU runs them in tests/test_gpu.py."""
     proc = subprocess.run([sys.executable, __file__, "hopper"], env={k: v for k, v in os.environ.items()
                                                                     if k != "TRITON_INTERPRET"},
                           capture_output=True, text=True, timeout=900)
@@ -320,7 +314,7 @@ def test_lane_kernels_compile_for_hopper_with_pdl():
 
 def _compile_for_hopper() -> None:
     """Point Triton at an sm_90 target and make every launch a compile only (``warmup``), then call
-    the kernels' own wrappers with PDL on, on CPU tensors of the engine's shapes."""
+    the kernels' own wrappers on CPU tensors of the engine's shapes."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -347,14 +341,9 @@ def _compile_for_hopper() -> None:
         return kernel
 
     JITFunction.run = compile_only
-    for module in (lane_attention, norm_add_norm, skinny_gemm):
-        module.use_pdl = lambda device: True
     bf16 = torch.bfloat16
     for rows in (1, 16):
-        for n, k in ((6144, 2048), (2048, 2048), (11264, 2048), (15840, 5280), (5280, 5280)):  # Ouro-1.4B, Huginn-0125
-            skinny_gemm.skinny_gemm(torch.empty(rows, k, dtype=bf16), torch.empty(n, k, dtype=bf16),
-                                    skinny_gemm.gemm_config(n, k))
-        for n, f in ((2048, 5632), (5280, 17920)):
+        for n, f in ((2048, 5632), (5280, 17920)):  # Ouro-1.4B, Huginn-0125
             skinny_gemm.swiglu_down(torch.empty(rows, 2 * f, dtype=bf16), torch.empty(n, f, dtype=bf16))
     w = torch.ones(2048, dtype=bf16)
     norm_add_norm.norm_add_norm(torch.empty(4, 2048, dtype=bf16), torch.empty(4, 2048, dtype=bf16), w, 1e-6, w, 1e-6)
@@ -367,7 +356,7 @@ def _compile_for_hopper() -> None:
             lane_attention.lane_attention(q, k, v, paged.k, paged.v, paged.page_of, bank_ids, depths, rows.prefix,
                                           rows.slots, rows.block_rows, rows.ancestors, scratch.kv, D**-0.5,
                                           merge=merge, bias=qk_bias)
-    from vllm_loop_kernels.coupled_sample import coupled_sample  # no PDL: it reads the logits at once
+    from vllm_loop_kernels.coupled_sample import coupled_sample
 
     rows = 4
     coupled_sample(torch.empty(rows, 49152), torch.ones(rows), torch.zeros(rows, dtype=torch.int64),
@@ -376,11 +365,8 @@ def _compile_for_hopper() -> None:
     assert names == {"_skinny_gemm_kernel", "_norm_add_norm_kernel", "_add_norm_norm_kernel", "_lane_kernel",
                      "_merge_kernel", "_coupled_sample_kernel"}, names
     for name, kernel in built:
-        if name == "_coupled_sample_kernel":
-            continue
-        ptx = kernel.asm["ptx"]
-        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, name
-    print(f"HOPPER OK: {len(built)} launches compiled for sm_90 with PDL ({len(names)} kernels)", flush=True)
+        assert ".target sm_90" in kernel.asm["ptx"], name
+    print(f"HOPPER OK: {len(built)} launches compiled for sm_90 ({len(names)} kernels)", flush=True)
 
 
 @pytest.mark.engine

@@ -19,13 +19,8 @@ ahead; needs vLLM:
 
     python benchmarks/probes/lane_gemm_compare.py --swiglu --rows 1 4 16 --out benchmarks/results/lane-swiglu-down-h200.txt
 
-``--chain`` times a model of one recurrent step's lane call instead: every layer of the shape's shared
-block (its own weights) as a lane call runs it -- seam norm, qkv, output projection (on q's columns:
-the lane attention is left out), seam norm, gate / up, down with SiLU-and-mul -- under one CUDA graph,
-with the projections on cuBLAS or on the few-rows Triton GEMM, and with or without programmatic
-dependent launch (``kernels/pdl.py``), each checked against the first; needs vLLM:
-
-    python benchmarks/probes/lane_gemm_compare.py --chain --rows 1 4 16 --out benchmarks/results/lane-chain-pdl-h200.txt
+(Its ``--chain`` mode, a recurrent step's chain of lane kernels with programmatic dependent launch, went
+with that option: benchmarks/RESULTS.md has what it measured.)
 """
 
 from __future__ import annotations
@@ -80,15 +75,11 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[4, 16, 64])
     ap.add_argument("--swiglu", action="store_true",
                     help="SiLU-and-mul + cuBLAS down projection against the fused swiglu_down")
-    ap.add_argument("--chain", action="store_true",
-                    help="one recurrent step's lane layers: cuBLAS or Triton projections, with or without PDL")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lane_gemm_compare.py needs a CUDA GPU")
     if args.swiglu:
         return swiglu(args)
-    if args.chain:
-        return chain(args)
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench_cudagraph
 
@@ -171,75 +162,6 @@ def swiglu(args) -> None:
             print(lines[-1], flush=True)
     write_table(lines, args.out)
 
-
-# name -> (projections, down projection, PDL): what a lane call's layer runs
-CHAIN_VARIANTS = {
-    "cuBLAS, silu_and_mul + cuBLAS down (before swiglu_down)": ("cublas", "unfused", False),
-    "cuBLAS, swiglu_down (default)": ("cublas", "fused", False),
-    "cuBLAS, swiglu_down, PDL": ("cublas", "fused", True),
-    "Triton GEMMs, swiglu_down": ("triton", "fused", False),
-    "Triton GEMMs, swiglu_down, PDL": ("triton", "fused", True),
-}
-
-
-def chain(args) -> None:
-    """us per recurrent step of the shape's shared block as lane calls run it (``CHAIN_VARIANTS``),
-    without the lane attention, per shape and row count; the fastest variant's weight bandwidth."""
-    import os
-
-    from triton.testing import do_bench_cudagraph
-
-    from vllm_loop_kernels.norm_add_norm import norm_add_norm
-    from vllm_loop_kernels.pdl import ENV
-    from vllm_loop_kernels.skinny_gemm import gemm_config, skinny_gemm, swiglu_down
-
-    def step(layers, x, res, projections: str, down: str):
-        linear = (lambda x, w: torch.nn.functional.linear(x, w)) if projections == "cublas" else \
-            (lambda x, w: skinny_gemm(x, w, gemm_config(*w.shape)))
-        for norm, qkv, o, gate_up, w_down in layers:
-            h, res = norm_add_norm(x, res, norm, 1e-6, norm, 1e-6)
-            q = linear(h, qkv)[:, :o.shape[1]]  # the attention's output stands in: q's columns
-            h, res = norm_add_norm(linear(q, o), res, norm, 1e-6, norm, 1e-6)
-            h = linear(h, gate_up)
-            x = swiglu_down(h, w_down) if down == "fused" else torch.nn.functional.linear(silu_and_mul(h), w_down)
-        return x, res
-
-    names = list(CHAIN_VARIANTS)
-    lines = table_head("us per recurrent step of the shared block's layers as lane calls run them, the lane attention "
-                       "left out (do_bench_cudagraph: one CUDA graph a step)", "layers", names, "fastest | GB/s")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in args.shapes:
-        family, _, c, _ = SHAPES[shape]
-        count = c["num_hidden_layers"] if family == "ouro" else c["n_layers_in_recurrent_block"]
-        mats = shared_block_matrices(shape)
-        H = mats["o"][0]
-
-        def weights(name):
-            n, k = mats[name]
-            return torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
-
-        layers = [(torch.ones(H, device="cuda", dtype=torch.bfloat16), weights("qkv"), weights("o"), weights("gate_up"),
-                   weights("down")) for _ in range(count)]
-        nbytes = sum(w.numel() * 2 for layer in layers for w in layer[1:])
-        for m in args.rows:
-            x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=g)
-            res = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=g)
-            want, times = None, []
-            for projections, down, pdl in CHAIN_VARIANTS.values():
-                os.environ[ENV] = "1" if pdl else "0"  # read at each launch, so also while capturing
-                got = step(layers, x, res.clone(), projections, down)[0].float()
-                if want is None:
-                    want = got
-                err = (got - want).abs().max().item()
-                if err > 0.05 * want.abs().max().item():
-                    raise AssertionError(f"{shape} rows {m} {projections} {down} pdl {pdl}: max abs error {err:.3g}")
-                times.append(do_bench_cudagraph(lambda: step(layers, x, res, projections, down)) * 1e3)
-            os.environ.pop(ENV)
-            best = min(range(len(times)), key=times.__getitem__)
-            lines.append(f"| {shape} | {count} | {m} | " + " | ".join(f"{t:.1f}" for t in times)
-                         + f" | {names[best]} | {nbytes / (times[best] * 1e-6) / 1e9:.0f} |")
-            print(lines[-1], flush=True)
-    write_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -37,12 +37,6 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 # ``-unfused`` systems, to time the fused kernel side by side); anything else: ``swiglu_down`` in
 # ``GatedMLP.forward``
 SWIGLU_ENV = "VLLM_LOOP_LANE_SWIGLU"
-# "triton": lane calls at a few rows run their other projections (qkv, output, gate / up) on the few-rows
-# Triton GEMM instead of vLLM's layer (cuBLAS), so that with VLLM_LOOP_PDL=1 (``kernels/pdl.py``) a
-# layer is a chain of Triton kernels launched with PDL (``lane_linear``; the benchmark's ``-tgemm``
-# systems); anything else: vLLM's layer. Off: with PDL it made an Ouro-1.4B recurrent step 1.9 % slower
-# on the H200 than cuBLAS without PDL (benchmarks/RESULTS.md).
-GEMM_ENV = "VLLM_LOOP_LANE_GEMM"
 
 # LoopSpec runs batches of lanes whose rows sit at different depths. For the length of such a call
 # the runner installs its lane attention here, and every ``bank`` argument is a tensor of per-row
@@ -298,12 +292,8 @@ def _few_rows_lane_call(x: torch.Tensor, layer: nn.Module, limit: str) -> bool:
 
 
 def lane_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """vLLM's linear ``layer(x)`` (its output only), or in a lane call with ``VLLM_LOOP_LANE_GEMM=triton``
-    the few-rows Triton GEMM (``GEMM_ENV``)."""
-    if _few_rows_lane_call(x, layer, "GEMM_MAX_ROWS") and os.environ.get(GEMM_ENV) == "triton":
-        from vllm_loop_kernels.skinny_gemm import gemm_config, skinny_gemm
-
-        return skinny_gemm(x, layer.weight, gemm_config(*layer.weight.shape))
+    """vLLM's linear ``layer(x)``, its output only (cuBLAS: as fast as a few-rows Triton GEMM at lane
+    calls' rows, benchmarks/RESULTS.md)."""
     out, _ = layer(x)
     return out
 
