@@ -31,7 +31,8 @@
 #             call on the same host): our vanilla, LoopSpec (lanes auto) and the same engine deciding plain
 #             steps only, greedy, held-out prompts, concurrency 1, 4, 16, 64, with the lanes policy's
 #             trace; = trained-raven then trained-ouro
-#   plain     what a LoopSpec engine's plain steps cost and why, on the trained Raven, one variable at a
+#   plain     what a LoopSpec engine's plain steps cost and why, at the trained Raven's sizes (random
+#             weights: a plain step's cost does not depend on them; no training), one variable at a
 #             time: vanilla on vLLM's V2 runner (its default), on V1, on V1 without torch.compile (full
 #             CUDA graphs, a LoopSpec engine's default), the plain-only LoopSpec engine, and the same
 #             with torch.compile; concurrency 1, 4, 16, 64
@@ -121,7 +122,7 @@ for step in $steps; do
                    --checkpoint "$checkpoints/ouro-1.4b-0.001" --out "$out/serve-ouro-1.4b" ;;
         trained-raven) trained raven tiny-raven trained-raven vanilla,loopspec-auto,loopspec-auto-plainonly 1 4 16 64 ;;
         trained-ouro) trained ouro tiny-ouro trained-ouro vanilla,loopspec-auto,loopspec-auto-plainonly 1 4 16 64 ;;
-        plain) trained raven tiny-raven trained-raven-plain \
+        plain) speed 1 raven-32m 0 raven-32m-plain \
                    vanilla,vanilla-v1,vanilla-v1-fullgraphs,loopspec-auto-plainonly,loopspec-auto-plainonly-compiled 1 4 16 64 ;;
         no-jit) gpu_tests "without_triton_compilation" ;;
         sampled-p07) speed 1 ouro-1.4b 0.001 ouro-1.4b-sampled-t1-p07 in-tree,loopspec-auto,loopspec-auto-cascade \
