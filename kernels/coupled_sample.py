@@ -143,7 +143,9 @@ def _coupled_sample_kernel(logits_ptr, stride, temperature_ptr, top_k_ptr, top_p
                 next_win = tl.where(take, start + i, next_win)
                 next_x = tl.where(take, tl.sum(tl.where(v == start + i, x, 0.0), axis=0), next_x)
                 best = tl.where(take, s, best)
-            kept = ((~use_k) | (count < k)) & ((~use_p) | (mass < p * total))
+            # nothing above the candidate: it is the top (a NaN in the row could otherwise keep the
+            # masses from ever passing, and the loop from ending)
+            kept = (((~use_k) | (count < k)) & ((~use_p) | (mass < p * total))) | (count == 0)
             win = tl.where(kept, win, next_win)
             win_x = tl.where(kept, win_x, next_x)
             searching = ~kept

@@ -424,6 +424,13 @@ if __name__ == "__main__":  # the interpreted runs (TRITON_INTERPRET=1 set by th
         sys.exit(0)
     if sys.argv[1:2] == ["coupled"]:
         compare_coupled_sample("cpu")
+        from vllm_loop_kernels.coupled_sample import coupled_sample
+
+        bad = torch.randn(2, 300)
+        bad[:, 7] = float("nan")  # a broken row ends (some token), never loops
+        token = coupled_sample(bad, torch.ones(2), torch.tensor([0, 5]), torch.tensor([0.7, 0.9]),
+                               torch.tensor([1, 2]), torch.tensor([3, 4]))
+        assert ((token >= 0) & (token < 300)).all(), token
         print("COUPLED OK", flush=True)
         try:
             compare_coupled_sample("cpu", broken=True)
