@@ -397,6 +397,23 @@ def test_the_first_lane_trial_weighs_every_budget_against_plain():
     assert ran == [0] * 4 + [None] * 36  # the full budget's trial, then plain's, then plain
 
 
+def test_a_buckets_plain_rate_cuts_only_its_own_budget_trials():
+    """A budget's trial that starts clearly below plain decoding ends at once -- plain's rate in the
+    same bucket; another bucket's (here a far faster one) must not end this bucket's trials."""
+    from vllm_loop.loopspec.policy import LaneOption, OptionChooser
+
+    chooser = OptionChooser([LaneOption("a"), LaneOption("b", 8, False)], trial=4, recheck=1000)
+    chooser.set_floor(64, 10_000.0)  # 64 requests: plain far faster than any lane budget
+    chooser.set_floor(1, 100.0)
+    for option in (0, 1):
+        for _ in range(4):
+            assert chooser.choose(1) == option
+            chooser.observe(1, option, 3, 0.01)  # 300 tokens/s: above 1 request's plain
+    assert chooser.settled(1)
+    chooser.observe(64, 0, 3, 0.01)  # 300 against 64 requests' plain 10,000: its trial ends
+    assert chooser.buckets[64].seen[0] == 4
+
+
 def test_lane_budgets_are_rated_by_ratios_of_sums():
     """A lane step commits a varying number of tokens: budget 0 alternates 1 token in 10 ms and 16
     in 20 ms (17 tokens in 30 ms: 567 tokens/s, though its steps average 450), budget 1 commits at

@@ -176,6 +176,7 @@ class _Options:
     rate: dict[int, float] = field(default_factory=dict)  # option -> tokens/s of its lane steps (moving average)
     seen: dict[int, int] = field(default_factory=dict)  # option -> samples in its current trial
     window: dict[int, list[float]] = field(default_factory=dict)  # option -> [tokens, seconds] not yet in its rate
+    floor: float = 0.0  # plain decoding's rate in this bucket: a budget's trial clearly below it ends at once
     steps: int = 0  # choices after every trial
     next_check: int = 0
     checked: int = 0  # the option re-checked last
@@ -187,7 +188,6 @@ class OptionChooser:
     def __init__(self, options: list[LaneOption], trial: int = 4, recheck: int = 64, smoothing: float = 0.3):
         self.options, self.trial, self.recheck, self.smoothing = options, trial, recheck, smoothing
         self.buckets: dict[int, _Options] = {}
-        self.floor = 0.0  # the plain rate a budget's trial must come near to go on (set by LanePolicy)
 
     def choose(self, rows: int) -> int:
         if len(self.options) == 1:
@@ -218,6 +218,11 @@ class OptionChooser:
         b = self.buckets.get(bucket_of(rows))
         return max(b.rate.values()) if b is not None and b.rate else 0.0
 
+    def set_floor(self, rows: int, plain: float) -> None:
+        """Plain decoding's measured rate in this bucket (LanePolicy): a budget whose trial starts
+        clearly below it ends its trial at once."""
+        self.buckets.setdefault(bucket_of(rows), _Options()).floor = plain
+
     def settled(self, rows: int) -> bool:
         """Has every option of this bucket had its trial (the lanes' rate is then their best option's)?"""
         b = self.buckets.get(bucket_of(rows))
@@ -242,7 +247,7 @@ class OptionChooser:
         b.seen[option] = n + 1
         ratio = window[0] / window[1]
         if n < self.trial or option not in b.rate:  # in its trial: the trial's ratio so far
-            others = [r for i, r in b.rate.items() if i != option] + [self.floor]
+            others = [r for i, r in b.rate.items() if i != option] + [b.floor]
             b.rate[option] = ratio
             if n == 0 and ratio < EARLY_END * max(others):  # clearly slower: its trial ends here
                 b.seen[option] = self.trial
@@ -309,7 +314,7 @@ class LanePolicy:
         # requests there) their trials cost more than they can find
         plain = b.rate.get(False, 0.0)
         if not self.chooser.settled(rows) and self.chooser.best_rate(rows) >= EARLY_END * plain:
-            self.chooser.floor = plain
+            self.chooser.set_floor(rows, plain)
             return True
         b.steps += 1
         best = b.best()
