@@ -97,7 +97,10 @@ def _coupled_sample_kernel(logits_ptr, stride, temperature_ptr, top_k_ptr, top_p
         m_new = tl.maximum(m, tl.max(x, axis=0))
         z = z * tl.exp(m - m_new) + tl.sum(tl.where(inside, tl.exp(x - m_new), 0.0), axis=0)
         m = m_new
-        score = tl.where(greedy, x, x + _gumbel(seed, v))
+        if greedy:  # greedy and padding rows skip the noise's 64-bit hashing
+            score = x
+        else:
+            score = x + _gumbel(seed, v)
         score = tl.where(inside, score, float("-inf"))
         s = tl.max(score, axis=0)
         i = tl.argmax(score, axis=0)  # the first of equal maxima
